@@ -1,0 +1,3 @@
+module github.com/idempotency-go/idempotency
+
+go 1.26
