@@ -1,3 +1,5 @@
 module github.com/idempotency-go/idempotency
 
-go 1.26
+go 1.26.0
+
+require github.com/gowebpki/jcs v1.0.2

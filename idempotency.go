@@ -1,0 +1,452 @@
+// Package idempotency makes a retried, non-idempotent operation (a charge, an
+// order, a transfer) run at most once, and answers every retry with the same
+// response, across any number of processes that share one store.
+//
+// A Guard runs operations through a Store: Guard.Do for any transport,
+// Guard.Middleware for net/http. The Redis store (NewRedisStore) is the one to
+// run in production; MemoryStore serves tests and single-process services.
+//
+// Every record is identified by a Key (a scope such as an account id, and the
+// client's idempotency key) and bound to the Fingerprint of the request that
+// created it. Its life is a small state machine judged by the store's clock:
+// the first claim creates it in flight under a lease and a fencing token; the
+// owner completes it (its response is kept and replayed for the retention
+// window) or releases it (the next retry becomes the owner, with the same
+// operation ID); an owner whose lease ran out can be taken over, and from then
+// on it can change nothing.
+package idempotency
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/base32"
+	"errors"
+	"fmt"
+	"net/http"
+	"sync"
+	"time"
+)
+
+// Errors returned by Guard.Do and by stores. Check them with errors.Is.
+var (
+	// ErrMismatch: the key was already used with a request whose fingerprint
+	// differs. Nothing ran.
+	ErrMismatch = errors.New("idempotency: key reused with a different request")
+	// ErrInFlight: the original request is still running and did not finish
+	// within the wait timeout, or too many requests already wait. Nothing ran;
+	// the client should retry later with the same key.
+	ErrInFlight = errors.New("idempotency: original request still in flight")
+	// ErrFenced: the caller is no longer the record's owner (its lease ran out
+	// and another attempt took over, or the record was settled). The change it
+	// asked for was refused and nothing was written.
+	ErrFenced = errors.New("idempotency: fenced off: no longer the owner")
+	// ErrUnavailable: the store could not be reached or failed. Whether the
+	// operation ran is decided by the record, never by guessing: a retry finds
+	// out.
+	ErrUnavailable = errors.New("idempotency: store unavailable")
+	// ErrInvalidKey: the idempotency key is empty, longer than MaxKeyLength,
+	// or holds a byte that is not visible ASCII.
+	ErrInvalidKey = errors.New("idempotency: invalid key")
+)
+
+// MaxKeyLength is the longest idempotency key accepted, in bytes.
+const MaxKeyLength = 255
+
+// Key identifies a record. Scope separates tenants: two scopes never see each
+// other's records, whatever keys their clients choose.
+type Key struct {
+	Scope string // an account or tenant id; may be empty for a single tenant
+	Name  string // the client's idempotency key: 1..MaxKeyLength visible ASCII
+}
+
+// Validate reports ErrInvalidKey when k.Name is not 1..MaxKeyLength bytes of
+// visible ASCII (0x21-0x7e).
+func (k Key) Validate() error {
+	if len(k.Name) == 0 || len(k.Name) > MaxKeyLength {
+		return fmt.Errorf("%w: length %d, want 1..%d", ErrInvalidKey, len(k.Name), MaxKeyLength)
+	}
+	for i := 0; i < len(k.Name); i++ {
+		if c := k.Name[i]; c < 0x21 || c > 0x7e {
+			return fmt.Errorf("%w: byte 0x%02x at %d is not visible ASCII", ErrInvalidKey, c, i)
+		}
+	}
+	return nil
+}
+
+// Response is an operation's outcome as it is stored and replayed. For HTTP it
+// is the handler's status, headers and body; other transports may use Status
+// and Body as they please.
+type Response struct {
+	Status int
+	Header http.Header
+	Body   []byte
+}
+
+// Disposition says what becomes of a record when its operation ends.
+type Disposition int
+
+const (
+	// Keep stores the response and replays it to every retry.
+	Keep Disposition = iota
+	// Release frees the key: the next retry becomes the owner and runs the
+	// operation again with the same operation ID. Use it when the operation
+	// failed in a way a retry may fix (the HTTP default for 5xx).
+	Release
+	// Forget deletes the record: the key may be used again, even with a
+	// different request. Use it when the operation never began (the HTTP
+	// default for 400, 408, 409, 422 and 429).
+	Forget
+)
+
+func (d Disposition) String() string {
+	switch d {
+	case Keep:
+		return "keep"
+	case Release:
+		return "release"
+	case Forget:
+		return "forget"
+	}
+	return fmt.Sprintf("Disposition(%d)", int(d))
+}
+
+// Options configures a Guard. The zero value of every field is its documented
+// default.
+type Options struct {
+	// Lease is how long an owner holds a record without renewing it. While
+	// the operation runs the Guard renews the lease every Lease/3; an owner
+	// that stops (crash, pause) loses the record one Lease later. Default 10s.
+	Lease time.Duration
+	// Retention is how long a record, and so a stored response, is kept. It
+	// must outlast the clients' longest retry window. Default 24h.
+	Retention time.Duration
+	// WaitTimeout is how long a duplicate of an in-flight request waits for
+	// the original to finish before failing with ErrInFlight. Default 10s;
+	// negative: do not wait.
+	WaitTimeout time.Duration
+	// RecheckInterval is how often a waiter re-reads the record even without
+	// a wake-up, which catches an original whose lease ran out. Default 1s.
+	RecheckInterval time.Duration
+	// MaxWaiters bounds the requests of one Guard waiting at once; past it a
+	// duplicate fails with ErrInFlight at once. Default 10000.
+	MaxWaiters int
+}
+
+func (o Options) withDefaults() Options {
+	if o.Lease <= 0 {
+		o.Lease = 10 * time.Second
+	}
+	if o.Retention <= 0 {
+		o.Retention = 24 * time.Hour
+	}
+	if o.WaitTimeout == 0 {
+		o.WaitTimeout = 10 * time.Second
+	}
+	if o.RecheckInterval <= 0 {
+		o.RecheckInterval = time.Second
+	}
+	if o.MaxWaiters <= 0 {
+		o.MaxWaiters = 10000
+	}
+	return o
+}
+
+// Guard runs operations at most once per Key. It is safe for concurrent use;
+// Guards in many processes that share a store act as one.
+type Guard struct {
+	store   Store
+	opts    Options
+	waiters chan struct{} // a semaphore of Options.MaxWaiters slots
+}
+
+// New returns a Guard that keeps its records in store.
+func New(store Store, opts Options) *Guard {
+	opts = opts.withDefaults()
+	return &Guard{store: store, opts: opts, waiters: make(chan struct{}, opts.MaxWaiters)}
+}
+
+// Result is what Guard.Do returns: the operation's response, and whether it
+// was replayed from an earlier attempt rather than produced by this call.
+type Result struct {
+	Response    Response
+	Replayed    bool
+	Disposition Disposition // what was done with the record (Keep for a replay)
+	OperationID string
+}
+
+// Do runs fn at most once for k, however many times and wherever Do is called
+// with the same k, and returns its response to every caller.
+//
+//   - The first call claims k and runs fn; the Response it returns is stored
+//     before Do returns it (unless fn chose another Disposition with
+//     SetDisposition). If fn returns an error, the record is released and
+//     the error returned: a later call runs fn again, with the same
+//     operation ID.
+//   - A call with the same k and fp after completion returns the stored
+//     Response with Replayed set, without running fn.
+//   - A call while another holds k waits up to Options.WaitTimeout for it to
+//     finish, then replays, or becomes the owner if the original released
+//     the record or stopped renewing its lease; on time-out it fails with
+//     ErrInFlight.
+//   - A call whose fp differs from the record's fails with ErrMismatch.
+//
+// fn's context carries the record's Info (see FromContext). It is cancelled,
+// with ErrFenced as its cause, when the Guard learns that the lease was lost;
+// the result of such an attempt is never stored.
+//
+// If storing the outcome fails, Do returns ErrFenced or ErrUnavailable and no
+// Response: the caller must not report success it could not record.
+func (g *Guard) Do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error)) (Result, error) {
+	if err := k.Validate(); err != nil {
+		return Result{}, err
+	}
+	c, err := g.claim(ctx, k, fp)
+	if err != nil {
+		return Result{}, err
+	}
+	if c.State == Completed {
+		return Result{Response: c.Response, Replayed: true, OperationID: c.OperationID}, nil
+	}
+	return g.run(ctx, k, c, fn)
+}
+
+// claim claims k, waiting while another owner holds it, until the caller owns
+// the record or there is a final answer.
+func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error) {
+	req := ClaimRequest{Key: k, Fingerprint: fp, OperationID: newOperationID(), Lease: g.opts.Lease, Retention: g.opts.Retention}
+	c, err := g.store.Claim(ctx, req)
+	if err != nil || c.State != InFlight {
+		return c, claimErr(c, err)
+	}
+	if g.opts.WaitTimeout < 0 {
+		return c, ErrInFlight
+	}
+	select {
+	case g.waiters <- struct{}{}:
+		defer func() { <-g.waiters }()
+	default:
+		return c, fmt.Errorf("%w: %d requests already waiting", ErrInFlight, cap(g.waiters))
+	}
+	wctx, cancel := context.WithTimeout(ctx, g.opts.WaitTimeout)
+	defer cancel()
+	// Subscribe before re-reading: a completion that lands between the two
+	// is then either seen by the re-read or delivered as a wake-up.
+	wake, err := g.store.Subscribe(wctx, k)
+	if err != nil {
+		if wctx.Err() != nil && ctx.Err() == nil {
+			return c, ErrInFlight
+		}
+		return c, err
+	}
+	defer wake.Close()
+	recheck := time.NewTicker(g.opts.RecheckInterval)
+	defer recheck.Stop()
+	req.Watch = true
+	for {
+		c, err = g.store.Claim(wctx, req)
+		if err != nil || c.State != InFlight {
+			if err != nil && wctx.Err() != nil && ctx.Err() == nil {
+				return c, ErrInFlight
+			}
+			return c, claimErr(c, err)
+		}
+		select {
+		case <-wake.C():
+		case <-recheck.C:
+		case <-wctx.Done():
+			if ctx.Err() != nil {
+				return c, ctx.Err()
+			}
+			return c, ErrInFlight
+		}
+	}
+}
+
+func claimErr(c Claim, err error) error {
+	if err != nil {
+		return err
+	}
+	if c.State == Mismatch {
+		return ErrMismatch
+	}
+	return nil
+}
+
+// run executes fn as the record's owner, renewing the lease while it runs,
+// and settles the record with its outcome.
+func (g *Guard) run(ctx context.Context, k Key, c Claim, fn func(ctx context.Context) (Response, error)) (res Result, err error) {
+	info := &Info{OperationID: c.OperationID, Attempt: c.Attempt, Token: c.Token, Takeover: c.Attempt > 1}
+	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, infoKey{}, info))
+	defer cancel(nil)
+	stop := g.heartbeat(fctx, cancel, k, c.Token)
+
+	settled := false
+	defer func() {
+		if settled {
+			return
+		}
+		// fn panicked: free the key for a retry, then let the panic go on.
+		stop()
+		_ = g.store.Release(context.WithoutCancel(ctx), k, c.Token, false)
+	}()
+	resp, fnErr := fn(fctx)
+	settled = true
+	lost := stop()
+
+	// Settle even when the caller's context is done: the outcome exists and
+	// must not be lost because the client went away.
+	sctx := context.WithoutCancel(ctx)
+	res = Result{Response: resp, OperationID: c.OperationID}
+	if fnErr != nil {
+		res.Disposition = Release
+		if err := g.store.Release(sctx, k, c.Token, false); err != nil {
+			return Result{}, errors.Join(fnErr, err)
+		}
+		return Result{}, fnErr
+	}
+	if lost != nil {
+		return Result{}, lost
+	}
+	res.Disposition = info.disposition()
+	switch res.Disposition {
+	case Keep:
+		err = g.store.Complete(sctx, k, c.Token, resp, g.opts.Retention)
+	default:
+		err = g.store.Release(sctx, k, c.Token, res.Disposition == Forget)
+	}
+	if err != nil {
+		return Result{}, err
+	}
+	return res, nil
+}
+
+// heartbeat renews the lease every Lease/3 until stop is called. When the
+// store refuses a renewal, or renewals keep failing until the lease must
+// have run out, it cancels ctx with the reason. stop waits for the renewing
+// goroutine to end and returns that reason, or nil.
+func (g *Guard) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, k Key, token uint64) (stop func() error) {
+	done := make(chan struct{})
+	finished := make(chan struct{})
+	var lost error
+	go func() {
+		defer close(finished)
+		every := g.opts.Lease / 3
+		t := time.NewTicker(every)
+		defer t.Stop()
+		renewed := time.Now()
+		for {
+			select {
+			case <-done:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			err := g.store.Heartbeat(ctx, k, token, g.opts.Lease)
+			switch {
+			case err == nil:
+				renewed = time.Now()
+				continue
+			case errors.Is(err, ErrFenced):
+				lost = err
+			case time.Since(renewed) >= g.opts.Lease:
+				lost = fmt.Errorf("%w: lease not renewed for %v: %w", ErrFenced, time.Since(renewed).Round(time.Millisecond), err)
+			default:
+				continue
+			}
+			cancel(lost)
+			return
+		}
+	}()
+	var once sync.Once
+	return func() error {
+		once.Do(func() { close(done) })
+		<-finished
+		return lost
+	}
+}
+
+// Info describes the attempt that is running an operation; fn and HTTP
+// handlers get it with FromContext.
+type Info struct {
+	// OperationID is made at the record's first claim and kept for its
+	// whole life: every attempt at one operation shares it.
+	OperationID string
+	// Attempt counts the claims that became owners, from 1.
+	Attempt int
+	// Token is this attempt's fencing token. Tokens grow with every claim of
+	// a key, so a database that remembers the highest token it has seen can
+	// refuse writes from an owner that was taken over.
+	Token uint64
+	// Takeover reports that an earlier attempt did not finish (it crashed,
+	// stalled past its lease, or failed): its side effects may have happened.
+	Takeover bool
+
+	mu     sync.Mutex
+	set    bool // SetDisposition was called: the default no longer applies
+	chosen Disposition
+}
+
+type infoKey struct{}
+
+// FromContext returns the Info of the attempt running in ctx, or false when
+// ctx does not come from Guard.Do or the middleware.
+func FromContext(ctx context.Context) (*Info, bool) {
+	i, ok := ctx.Value(infoKey{}).(*Info)
+	return i, ok
+}
+
+// DownstreamKey derives, from the operation ID in ctx, an idempotency key to
+// send to a downstream service (a payment provider) under the given name. It
+// is the same for every attempt of the operation, so a takeover that repeats
+// the downstream call gets the provider's original result instead of a
+// second effect. It returns "" when ctx carries no operation.
+func DownstreamKey(ctx context.Context, name string) string {
+	i, ok := FromContext(ctx)
+	if !ok {
+		return ""
+	}
+	sum := sha256.Sum256([]byte(i.OperationID + "\x00" + name))
+	return "idem_" + b32.EncodeToString(sum[:20])
+}
+
+// SetDisposition chooses what becomes of the record when the operation in
+// ctx returns without an error, overriding the default (Keep for Guard.Do,
+// the status policy for the middleware). It reports false when ctx carries
+// no operation.
+func SetDisposition(ctx context.Context, d Disposition) bool {
+	i, ok := FromContext(ctx)
+	if !ok {
+		return false
+	}
+	i.mu.Lock()
+	i.set, i.chosen = true, d
+	i.mu.Unlock()
+	return true
+}
+
+// defaultTo chooses d unless the operation chose for itself.
+func (i *Info) defaultTo(d Disposition) {
+	i.mu.Lock()
+	if !i.set {
+		i.chosen = d
+	}
+	i.mu.Unlock()
+}
+
+func (i *Info) disposition() Disposition {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.chosen
+}
+
+var b32 = base32.StdEncoding.WithPadding(base32.NoPadding)
+
+// newOperationID returns 128 random bits; a collision would merge two
+// operations' downstream keys, so they must not be guessable or repeat.
+func newOperationID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // never fails: see crypto/rand.Read
+	return "op_" + b32.EncodeToString(b[:])
+}

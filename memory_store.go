@@ -1,0 +1,209 @@
+package idempotency
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// MemoryOptions configures a MemoryStore. The zero value of every field is
+// its documented default.
+type MemoryOptions struct {
+	// MaxRecords bounds the records kept. When it is reached, expired records
+	// are dropped; if none has expired, new claims fail with ErrUnavailable
+	// rather than forget a live record. Default 100000.
+	MaxRecords int
+	// Now is the store's clock, by which leases and retention are judged.
+	// Default time.Now; tests may move it.
+	Now func() time.Time
+}
+
+// MemoryStore keeps records in this process. It has the full contract of a
+// Store, but only Guards in the same process share it: use it for tests and
+// for services that run as one process.
+type MemoryStore struct {
+	opts MemoryOptions
+
+	mu      sync.Mutex
+	records map[Key]*memRecord
+	token   uint64 // last token issued, for every key: tokens never repeat
+	subs    map[Key]map[*memSub]struct{}
+}
+
+type memRecord struct {
+	state       ClaimState // Owner means in flight; 0 means released
+	fingerprint Fingerprint
+	operationID string
+	attempt     int
+	token       uint64
+	leaseUntil  time.Time
+	expires     time.Time
+	response    Response
+}
+
+// NewMemoryStore returns an empty MemoryStore.
+func NewMemoryStore(opts MemoryOptions) *MemoryStore {
+	if opts.MaxRecords <= 0 {
+		opts.MaxRecords = 100000
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	return &MemoryStore{opts: opts, records: make(map[Key]*memRecord), subs: make(map[Key]map[*memSub]struct{})}
+}
+
+// Claim implements Store.
+func (s *MemoryStore) Claim(_ context.Context, req ClaimRequest) (Claim, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.opts.Now()
+	r := s.lookup(req.Key, now)
+	if r == nil {
+		if len(s.records) >= s.opts.MaxRecords {
+			s.dropExpired(now)
+			if len(s.records) >= s.opts.MaxRecords {
+				return Claim{}, unavailable("claim", fmt.Errorf("memory store full: %d records", s.opts.MaxRecords))
+			}
+		}
+		s.token++
+		r = &memRecord{state: Owner, fingerprint: req.Fingerprint, operationID: req.OperationID, attempt: 1,
+			token: s.token, leaseUntil: now.Add(req.Lease), expires: now.Add(req.Retention)}
+		s.records[req.Key] = r
+		return Claim{State: Owner, OperationID: r.operationID, Attempt: 1, Token: r.token}, nil
+	}
+	switch {
+	case r.fingerprint != req.Fingerprint:
+		return Claim{State: Mismatch}, nil
+	case r.state == Completed:
+		return Claim{State: Completed, OperationID: r.operationID, Response: r.response}, nil
+	case r.state == Owner && r.leaseUntil.After(now):
+		return Claim{State: InFlight, LeaseLeft: r.leaseUntil.Sub(now)}, nil
+	}
+	s.token++
+	r.state, r.token, r.leaseUntil = Owner, s.token, now.Add(req.Lease)
+	r.attempt++
+	return Claim{State: Owner, OperationID: r.operationID, Attempt: r.attempt, Token: r.token}, nil
+}
+
+// Complete implements Store.
+func (s *MemoryStore) Complete(_ context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.opts.Now()
+	r, err := s.owned(k, token, now)
+	if err != nil {
+		return err
+	}
+	// Keep a copy: the caller may reuse its buffers once Complete returns.
+	resp.Header = resp.Header.Clone()
+	resp.Body = append([]byte(nil), resp.Body...)
+	r.state, r.response, r.expires = Completed, resp, now.Add(retention)
+	s.wake(k)
+	return nil
+}
+
+// Release implements Store.
+func (s *MemoryStore) Release(_ context.Context, k Key, token uint64, forget bool) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r, err := s.owned(k, token, s.opts.Now())
+	if err != nil {
+		return err
+	}
+	if forget {
+		delete(s.records, k)
+	} else {
+		r.state = 0
+	}
+	s.wake(k)
+	return nil
+}
+
+// Heartbeat implements Store.
+func (s *MemoryStore) Heartbeat(_ context.Context, k Key, token uint64, lease time.Duration) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.opts.Now()
+	r, err := s.owned(k, token, now)
+	if err != nil {
+		return err
+	}
+	r.leaseUntil = now.Add(lease)
+	return nil
+}
+
+// Subscribe implements Store. It is confirmed at once: wake-ups are sent
+// under the same lock as the transitions.
+func (s *MemoryStore) Subscribe(_ context.Context, k Key) (Subscription, error) {
+	sub := &memSub{s: s, k: k, c: make(chan struct{}, 1)}
+	s.mu.Lock()
+	if s.subs[k] == nil {
+		s.subs[k] = make(map[*memSub]struct{})
+	}
+	s.subs[k][sub] = struct{}{}
+	s.mu.Unlock()
+	return sub, nil
+}
+
+// Len returns the number of records held, expired ones included until they
+// are dropped.
+func (s *MemoryStore) Len() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.records)
+}
+
+func (s *MemoryStore) lookup(k Key, now time.Time) *memRecord {
+	r := s.records[k]
+	if r != nil && !r.expires.After(now) {
+		delete(s.records, k)
+		return nil
+	}
+	return r
+}
+
+func (s *MemoryStore) owned(k Key, token uint64, now time.Time) (*memRecord, error) {
+	r := s.lookup(k, now)
+	if r == nil || r.state != Owner || r.token != token {
+		return nil, ErrFenced
+	}
+	return r, nil
+}
+
+func (s *MemoryStore) dropExpired(now time.Time) {
+	for k, r := range s.records {
+		if !r.expires.After(now) {
+			delete(s.records, k)
+		}
+	}
+}
+
+func (s *MemoryStore) wake(k Key) {
+	for sub := range s.subs[k] {
+		select {
+		case sub.c <- struct{}{}:
+		default: // a wake-up is already pending
+		}
+	}
+}
+
+type memSub struct {
+	s    *MemoryStore
+	k    Key
+	c    chan struct{}
+	once sync.Once
+}
+
+func (m *memSub) C() <-chan struct{} { return m.c }
+
+func (m *memSub) Close() {
+	m.once.Do(func() {
+		m.s.mu.Lock()
+		delete(m.s.subs[m.k], m)
+		if len(m.s.subs[m.k]) == 0 {
+			delete(m.s.subs, m.k)
+		}
+		m.s.mu.Unlock()
+	})
+}

@@ -1,0 +1,162 @@
+package idempotency
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+)
+
+// Store keeps records. Each method is one atomic transition of the record's
+// state machine, judged by the store's own clock; implementations must pass
+// the conformance suite in package idempotencytest. Errors other than
+// ErrFenced must wrap ErrUnavailable.
+type Store interface {
+	// Claim applies a claim to the record of req.Key:
+	//   - no record: create it in flight, attempt 1, a new token, and
+	//     req.OperationID; State Owner.
+	//   - a different fingerprint, whatever the state: State Mismatch.
+	//   - completed: State Completed with the stored Response.
+	//   - in flight under a live lease: State InFlight; with req.Watch, the
+	//     record remembers that someone waits, so that settling it wakes
+	//     them (see Subscribe).
+	//   - in flight under an expired lease, or released: take over: attempt
+	//     + 1, a new token, the same operation ID; State Owner.
+	// A new token is greater than every token issued before for the key,
+	// even if the record expired and was made again in between.
+	Claim(ctx context.Context, req ClaimRequest) (Claim, error)
+	// Complete stores resp as the record's outcome and keeps it for
+	// retention, if token is the current owner's; otherwise it returns
+	// ErrFenced and changes nothing.
+	Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error
+	// Release ends the current owner's attempt without an outcome, if token
+	// is the current owner's (ErrFenced otherwise). The next claim takes
+	// over; with forget, the record is deleted instead, so the key is free
+	// for any request.
+	Release(ctx context.Context, k Key, token uint64, forget bool) error
+	// Heartbeat extends the current owner's lease to lease from now, if
+	// token is the current owner's (ErrFenced otherwise).
+	Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error
+	// Subscribe returns once the caller is certain to be woken by every
+	// Complete or Release of k's record that follows a watching Claim. It
+	// may wake spuriously; the caller re-claims on every wake-up.
+	Subscribe(ctx context.Context, k Key) (Subscription, error)
+}
+
+// Subscription delivers wake-ups for one record until it is closed.
+type Subscription interface {
+	// C receives a value after the record may have changed.
+	C() <-chan struct{}
+	// Close ends the subscription. It must be called.
+	Close()
+}
+
+// ClaimRequest is the input of Store.Claim.
+type ClaimRequest struct {
+	Key         Key
+	Fingerprint Fingerprint
+	OperationID string        // used only when the claim creates the record
+	Lease       time.Duration // how long the new owner holds the record
+	Retention   time.Duration // how long a new record is kept
+	Watch       bool          // the caller will wait if the record is in flight
+}
+
+// ClaimState is the answer to a claim.
+type ClaimState int
+
+const (
+	// Owner: the caller owns the record and must run the operation.
+	Owner ClaimState = iota + 1
+	// Completed: the record holds an outcome to replay.
+	Completed
+	// InFlight: another owner holds a live lease.
+	InFlight
+	// Mismatch: the record belongs to a different request.
+	Mismatch
+)
+
+// Claim is the output of Store.Claim.
+type Claim struct {
+	State       ClaimState
+	OperationID string        // Owner, Completed
+	Attempt     int           // Owner: this attempt's number, from 1
+	Token       uint64        // Owner: this attempt's fencing token
+	Response    Response      // Completed
+	LeaseLeft   time.Duration // InFlight: time until the owner's lease runs out
+}
+
+// MarshalBinary encodes r compactly for a store: status, header fields with
+// every value in order, then the body.
+func (r Response) MarshalBinary() ([]byte, error) {
+	n := 2*binary.MaxVarintLen64 + len(r.Body)
+	for name, vs := range r.Header {
+		for _, v := range vs {
+			n += 2*binary.MaxVarintLen64 + len(name) + len(v)
+		}
+	}
+	b := make([]byte, 0, n)
+	b = binary.AppendUvarint(b, uint64(r.Status))
+	fields := 0
+	for _, vs := range r.Header {
+		fields += len(vs)
+	}
+	b = binary.AppendUvarint(b, uint64(fields))
+	for name, vs := range r.Header {
+		for _, v := range vs {
+			b = appendString(b, name)
+			b = appendString(b, v)
+		}
+	}
+	return append(b, r.Body...), nil
+}
+
+func appendString(b []byte, s string) []byte {
+	b = binary.AppendUvarint(b, uint64(len(s)))
+	return append(b, s...)
+}
+
+var errCorrupt = errors.New("idempotency: corrupt stored response")
+
+// UnmarshalBinary decodes what MarshalBinary encoded.
+func (r *Response) UnmarshalBinary(b []byte) error {
+	status, n := binary.Uvarint(b)
+	if n <= 0 || status > 999 {
+		return errCorrupt
+	}
+	b = b[n:]
+	fields, n := binary.Uvarint(b)
+	if n <= 0 || fields > uint64(len(b)) {
+		return errCorrupt
+	}
+	b = b[n:]
+	r.Status = int(status)
+	r.Header = make(http.Header, fields)
+	for range fields {
+		var name, v string
+		var ok bool
+		if name, b, ok = cutString(b); !ok {
+			return errCorrupt
+		}
+		if v, b, ok = cutString(b); !ok {
+			return errCorrupt
+		}
+		r.Header[name] = append(r.Header[name], v)
+	}
+	r.Body = b
+	return nil
+}
+
+func cutString(b []byte) (string, []byte, bool) {
+	l, n := binary.Uvarint(b)
+	if n <= 0 || l > uint64(len(b)-n) {
+		return "", nil, false
+	}
+	return string(b[n : n+int(l)]), b[n+int(l):], true
+}
+
+// unavailable wraps a store failure so that it matches ErrUnavailable.
+func unavailable(op string, err error) error {
+	return fmt.Errorf("%w: %s: %w", ErrUnavailable, op, err)
+}
