@@ -1,0 +1,16 @@
+-- complete: the owner stores its outcome (see Store.Complete).
+-- KEYS[1] the record. ARGV: token, encoded response, retention ms, the
+-- publish command (PUBLISH, or SPUBLISH on a cluster).
+local rec = KEYS[1]
+local cur = redis.call('HMGET', rec, 's', 't', 'w')
+if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then
+  return redis.error_reply('FENCED')
+end
+redis.call('HSET', rec, 's', 'c', 'r', ARGV[2])
+redis.call('HDEL', rec, 't', 'l', 'w')
+redis.call('PEXPIRE', rec, ARGV[3])
+-- Only a registered waiter costs a publish: the happy path pays nothing.
+if cur[3] then
+  redis.call(ARGV[4], rec, 'c')
+end
+return 1

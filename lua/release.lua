@@ -1,0 +1,20 @@
+-- release: the owner ends its attempt without an outcome (see Store.Release).
+-- KEYS[1] the record. ARGV: token, forget ("1": delete the record), the
+-- publish command.
+local rec = KEYS[1]
+local cur = redis.call('HMGET', rec, 's', 't', 'w')
+if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then
+  return redis.error_reply('FENCED')
+end
+if ARGV[2] == '1' then
+  redis.call('DEL', rec)
+else
+  redis.call('HSET', rec, 's', 'r')
+  redis.call('HDEL', rec, 't', 'l', 'w')
+end
+-- Waiters re-claim when woken: one becomes the owner, the others register
+-- again.
+if cur[3] then
+  redis.call(ARGV[3], rec, 'r')
+end
+return 1
