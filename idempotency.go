@@ -97,6 +97,10 @@ const (
 	// different request. Use it when the operation never began (the HTTP
 	// default for 400, 408, 409, 422 and 429).
 	Forget
+	// Settled says the operation already stored its outcome itself, in its
+	// own transaction (see the postgres package's Store.CompleteTx), so the
+	// Guard writes nothing, and a renewal refused after that is expected.
+	Settled
 )
 
 func (d Disposition) String() string {
@@ -107,6 +111,8 @@ func (d Disposition) String() string {
 		return "release"
 	case Forget:
 		return "forget"
+	case Settled:
+		return "settled"
 	}
 	return fmt.Sprintf("Disposition(%d)", int(d))
 }
@@ -237,7 +243,7 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error)
 		if wctx.Err() != nil && ctx.Err() == nil {
 			return c, ErrInFlight
 		}
-		return c, err
+		return c, errors.Join(ErrInFlight, err)
 	}
 	defer wake.Close()
 	recheck := time.NewTicker(g.opts.RecheckInterval)
@@ -245,11 +251,16 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error)
 	req.Watch = true
 	for {
 		c, err = g.store.Claim(wctx, req)
-		if err != nil || c.State != InFlight {
-			if err != nil && wctx.Err() != nil && ctx.Err() == nil {
+		if err != nil {
+			if wctx.Err() != nil && ctx.Err() == nil {
 				return c, ErrInFlight
 			}
-			return c, claimErr(c, err)
+			// The original is known to be running: whatever else failed,
+			// this request must not be run beside it (say, by failing open).
+			return c, errors.Join(ErrInFlight, err)
+		}
+		if c.State != InFlight {
+			return c, claimErr(c, nil)
 		}
 		select {
 		case <-wake.C():
@@ -305,14 +316,14 @@ func (g *Guard) run(ctx context.Context, k Key, c Claim, fn func(ctx context.Con
 		}
 		return Result{}, fnErr
 	}
-	if lost != nil {
+	res.Disposition = info.disposition()
+	if lost != nil && res.Disposition != Settled {
 		return Result{}, lost
 	}
-	res.Disposition = info.disposition()
 	switch res.Disposition {
 	case Keep:
 		err = g.store.Complete(sctx, k, c.Token, resp, g.opts.Retention)
-	default:
+	case Release, Forget:
 		err = g.store.Release(sctx, k, c.Token, res.Disposition == Forget)
 	}
 	if err != nil {

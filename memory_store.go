@@ -1,6 +1,7 @@
 package idempotency
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"sync"
@@ -76,7 +77,10 @@ func (s *MemoryStore) Claim(_ context.Context, req ClaimRequest) (Claim, error) 
 	case r.fingerprint != req.Fingerprint:
 		return Claim{State: Mismatch}, nil
 	case r.state == Completed:
-		return Claim{State: Completed, OperationID: r.operationID, Response: r.response}, nil
+		// A copy: a caller that adds a header to its replay must not change
+		// what later replays get.
+		resp := Response{Status: r.response.Status, Header: r.response.Header.Clone(), Body: bytes.Clone(r.response.Body)}
+		return Claim{State: Completed, OperationID: r.operationID, Response: resp}, nil
 	case r.state == Owner && r.leaseUntil.After(now):
 		return Claim{State: InFlight, LeaseLeft: r.leaseUntil.Sub(now)}, nil
 	}
@@ -97,7 +101,7 @@ func (s *MemoryStore) Complete(_ context.Context, k Key, token uint64, resp Resp
 	}
 	// Keep a copy: the caller may reuse its buffers once Complete returns.
 	resp.Header = resp.Header.Clone()
-	resp.Body = append([]byte(nil), resp.Body...)
+	resp.Body = bytes.Clone(resp.Body)
 	r.state, r.response, r.expires = Completed, resp, now.Add(retention)
 	s.wake(k)
 	return nil

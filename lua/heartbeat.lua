@@ -3,7 +3,7 @@
 local rec = KEYS[1]
 local cur = redis.call('HMGET', rec, 's', 't')
 if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then
-  return redis.error_reply('FENCED')
+  return redis.error_reply('FENCED not the current owner')
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

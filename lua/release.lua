@@ -4,7 +4,7 @@
 local rec = KEYS[1]
 local cur = redis.call('HMGET', rec, 's', 't', 'w')
 if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then
-  return redis.error_reply('FENCED')
+  return redis.error_reply('FENCED not the current owner')
 end
 if ARGV[2] == '1' then
   redis.call('DEL', rec)

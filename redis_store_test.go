@@ -1,0 +1,267 @@
+package idempotency
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-go/idempotency/internal/testserver"
+)
+
+// redisBackends runs f on miniredis and on a throwaway real redis-server.
+func redisBackends(t *testing.T, f func(t *testing.T, c *redis.Client)) {
+	t.Run("miniredis", func(t *testing.T) {
+		c := redis.NewClient(&redis.Options{Addr: miniredis.RunT(t).Addr()})
+		t.Cleanup(func() { c.Close() })
+		f(t, c)
+	})
+	t.Run("redis-server", func(t *testing.T) {
+		f(t, testserver.StartRedis(t).Client())
+	})
+}
+
+func newRedisStore(t *testing.T, c redis.UniversalClient) *RedisStore {
+	s := NewRedisStore(c, RedisOptions{})
+	t.Cleanup(func() { s.Close() })
+	return s
+}
+
+func TestRedisKeyLayout(t *testing.T) {
+	s := NewRedisStore(nil, RedisOptions{Prefix: "p:"})
+	rec, seq := s.recordKey(Key{Scope: "acct:1", Name: "k}{x"})
+	tag := rec[:strings.IndexByte(rec, '}')+1]
+	assert.True(t, strings.HasPrefix(rec, "p:{"), rec)
+	assert.True(t, strings.HasPrefix(seq, tag), "record %q and sequence %q must share a hash tag", rec, seq)
+
+	// A scope that ends like a name starts cannot pass for another pair.
+	a, _ := s.recordKey(Key{Scope: "a:1", Name: "b"})
+	b, _ := s.recordKey(Key{Scope: "a", Name: "1:b"})
+	assert.NotEqual(t, a, b)
+
+	assert.Panics(t, func() { NewRedisStore(nil, RedisOptions{Prefix: "x{"}) })
+}
+
+// A waiter must be woken by the completion's publish, not by its re-check
+// timer: with an hour-long re-check, only pub/sub can end the wait.
+func TestRedisWakeUpIsPublished(t *testing.T) {
+	redisBackends(t, func(t *testing.T, c *redis.Client) {
+		s := newRedisStore(t, c)
+		g := New(s, Options{RecheckInterval: time.Hour, WaitTimeout: 30 * time.Second})
+		k, fp := Key{Name: "wake"}, FingerprintOf("op", nil)
+		started, finish := make(chan struct{}), make(chan struct{})
+		go func() {
+			_, err := g.Do(context.Background(), k, fp, func(context.Context) (Response, error) {
+				close(started)
+				<-finish
+				return Response{Status: 201, Body: []byte("done")}, nil
+			})
+			assert.NoError(t, err)
+		}()
+		<-started
+		got := make(chan Result, 1)
+		go func() {
+			r, err := g.Do(context.Background(), k, fp, func(context.Context) (Response, error) {
+				t.Error("the duplicate ran the operation")
+				return Response{}, nil
+			})
+			assert.NoError(t, err)
+			got <- r
+		}()
+		waitForWatcher(t, c, s, k)
+		close(finish)
+		select {
+		case r := <-got:
+			assert.True(t, r.Replayed)
+			assert.Equal(t, "done", string(r.Response.Body))
+		case <-time.After(20 * time.Second):
+			t.Fatal("the waiter was not woken by the completion")
+		}
+	})
+}
+
+// waitForWatcher returns once a waiter has registered on k's record, so the
+// completion that follows has someone to publish to.
+func waitForWatcher(t *testing.T, c *redis.Client, s *RedisStore, k Key) {
+	t.Helper()
+	rec, _ := s.recordKey(k)
+	require.Eventually(t, func() bool {
+		return c.HExists(context.Background(), rec, "w").Val()
+	}, 10*time.Second, time.Millisecond)
+}
+
+// Completions racing the waiters' subscriptions, many times over: with the
+// re-check timer out of the way, a lost wake-up shows as ErrInFlight.
+func TestRedisNoLostWakeUp(t *testing.T) {
+	redisBackends(t, func(t *testing.T, c *redis.Client) {
+		s := newRedisStore(t, c)
+		g := New(s, Options{RecheckInterval: time.Hour, WaitTimeout: 5 * time.Second})
+		const keys = 300
+		var lost atomic.Int32
+		var wg sync.WaitGroup
+		for i := range keys {
+			k, fp := Key{Name: fmt.Sprintf("race-%d", i)}, FingerprintOf("op", nil)
+			claim, err := s.Claim(context.Background(), ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op", Lease: time.Minute, Retention: time.Hour})
+			require.NoError(t, err)
+			require.Equal(t, Owner, claim.State)
+			wg.Add(2)
+			go func() {
+				defer wg.Done()
+				r, err := g.Do(context.Background(), k, fp, func(context.Context) (Response, error) {
+					return Response{}, errors.New("the duplicate ran the operation")
+				})
+				if errors.Is(err, ErrInFlight) {
+					lost.Add(1)
+					return
+				}
+				assert.NoError(t, err)
+				assert.Equal(t, strconv.Itoa(i), string(r.Response.Body))
+			}()
+			go func() {
+				defer wg.Done()
+				time.Sleep(time.Duration(rand.IntN(3000)) * time.Microsecond)
+				assert.NoError(t, s.Complete(context.Background(), k, claim.Token, Response{Status: 200, Body: []byte(strconv.Itoa(i))}, time.Hour))
+			}()
+		}
+		wg.Wait()
+		assert.Zero(t, lost.Load(), "waiters never woken")
+	})
+}
+
+// Redis formats Lua numbers with %.14g; tokens past 1e14 must still cross
+// the boundary exactly.
+func TestRedisLargeTokens(t *testing.T) {
+	redisBackends(t, func(t *testing.T, c *redis.Client) {
+		s := newRedisStore(t, c)
+		k := Key{Name: "big"}
+		_, seq := s.recordKey(k)
+		const start = 1_234_567_890_123_456
+		require.NoError(t, c.Set(context.Background(), seq, start, 0).Err())
+		claim, err := s.Claim(context.Background(), ClaimRequest{Key: k, OperationID: "op", Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
+		assert.Equal(t, uint64(start+1), claim.Token)
+		assert.NoError(t, s.Heartbeat(context.Background(), k, claim.Token, time.Minute))
+		assert.ErrorIs(t, s.Heartbeat(context.Background(), k, claim.Token+1, time.Minute), ErrFenced)
+		assert.NoError(t, s.Complete(context.Background(), k, claim.Token, Response{Status: 200}, time.Hour))
+	})
+}
+
+// Round trips, counted by the server: a new operation costs two scripts, a
+// replay one, and a waited request a bounded number however long it waits.
+func TestRedisRoundTrips(t *testing.T) {
+	srv := testserver.StartRedis(t)
+	s := newRedisStore(t, srv.Client())
+	g := New(s, Options{RecheckInterval: time.Hour})
+	ctx := context.Background()
+	fp := FingerprintOf("op", nil)
+	ok := func(context.Context) (Response, error) { return Response{Status: 200}, nil }
+	_, err := g.Do(ctx, Key{Name: "warm"}, fp, ok) // loads the scripts
+	require.NoError(t, err)
+
+	assert.Equal(t, map[string]int{"evalsha": 2}, countCommands(t, srv.Addr, func() {
+		_, err := g.Do(ctx, Key{Name: "new"}, fp, ok)
+		require.NoError(t, err)
+	}), "new operation")
+	assert.Equal(t, map[string]int{"evalsha": 1}, countCommands(t, srv.Addr, func() {
+		r, err := g.Do(ctx, Key{Name: "new"}, fp, ok)
+		require.NoError(t, err)
+		require.True(t, r.Replayed)
+	}), "replay")
+
+	k := Key{Name: "waited"}
+	claim, err := s.Claim(ctx, ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op", Lease: time.Minute, Retention: time.Hour})
+	require.NoError(t, err)
+	poll := srv.Client()
+	waited := countCommands(t, srv.Addr, func() {
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			r, err := g.Do(ctx, k, fp, ok)
+			assert.NoError(t, err)
+			assert.True(t, r.Replayed)
+		}()
+		waitForWatcher(t, poll, s, k)
+		time.Sleep(300 * time.Millisecond) // however long it waits, it sends nothing more
+		require.NoError(t, s.Complete(ctx, k, claim.Token, Response{Status: 200}, time.Hour))
+		<-done
+	})
+	delete(waited, "hexists") // the test's own polling
+	// The waiter: claim, subscribe, watching claim, claim after the wake-up,
+	// unsubscribe as it leaves. The fourth script is the owner's completion.
+	assert.Equal(t, map[string]int{"evalsha": 4, "subscribe": 1, "unsubscribe": 1}, waited, "waited request")
+}
+
+// countCommands counts, through MONITOR, the commands clients send while f
+// runs: not those that scripts run, nor connection handshakes and health
+// checks.
+func countCommands(t *testing.T, addr string, f func()) map[string]int {
+	conn, err := net.Dial("tcp", addr)
+	require.NoError(t, err)
+	defer conn.Close()
+	r := bufio.NewReader(conn)
+	_, err = conn.Write([]byte("MONITOR\r\n"))
+	require.NoError(t, err)
+	ok, err := r.ReadString('\n')
+	require.NoError(t, err)
+	require.Equal(t, "+OK\r\n", ok)
+
+	f()
+	marker := fmt.Sprintf("end-of-count-%d", rand.Uint64())
+	echo := redis.NewClient(&redis.Options{Addr: addr})
+	defer echo.Close()
+	require.NoError(t, echo.Echo(context.Background(), marker).Err())
+	require.NoError(t, conn.SetReadDeadline(time.Now().Add(10*time.Second)))
+	counts := map[string]int{}
+	for {
+		line, err := r.ReadString('\n')
+		require.NoError(t, err)
+		if strings.Contains(line, marker) {
+			return counts
+		}
+		_, cmd, ok := strings.Cut(line, "] \"")
+		if !ok || strings.Contains(line, " lua] ") {
+			continue
+		}
+		switch name := strings.ToLower(cmd[:strings.IndexByte(cmd, '"')]); name {
+		case "hello", "client", "ping":
+		default:
+			counts[name]++
+		}
+	}
+}
+
+// With Redis down nothing runs and Do reports ErrUnavailable; once Redis is
+// back the same key works.
+func TestRedisOutage(t *testing.T) {
+	srv := testserver.StartRedis(t)
+	s := newRedisStore(t, srv.Client())
+	g := New(s, Options{})
+	ctx := context.Background()
+	var runs atomic.Int32
+	fn := func(context.Context) (Response, error) { runs.Add(1); return Response{Status: 201}, nil }
+
+	srv.Stop(t)
+	_, err := g.Do(ctx, Key{Name: "outage"}, FingerprintOf("op", nil), fn)
+	require.ErrorIs(t, err, ErrUnavailable)
+	assert.Zero(t, runs.Load())
+
+	srv.Restart(t)
+	require.Eventually(t, func() bool {
+		_, err := g.Do(ctx, Key{Name: "outage"}, FingerprintOf("op", nil), fn)
+		return err == nil
+	}, 10*time.Second, 50*time.Millisecond)
+	assert.Equal(t, int32(1), runs.Load())
+}
