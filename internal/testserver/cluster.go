@@ -84,6 +84,10 @@ func StartClusterWith(t testing.TB, cfg ClusterConfig) *Cluster {
 				"--cluster-config-file", filepath.Join(dir, fmt.Sprintf("nodes-%d.conf", ports[0])),
 				"--cluster-node-timeout", strconv.FormatInt(cfg.NodeTimeout.Milliseconds(), 10),
 				"--cluster-port", strconv.Itoa(ports[1]),
+				// CLUSTER SLOTS lists a replica only once its replication
+				// offset is non-zero; on an empty master that takes the first
+				// master-to-replica PING, by default 10 s after the sync.
+				"--repl-ping-replica-period", "1",
 			}, cfg.ExtraArgs...)
 		})
 		c.Nodes = append(c.Nodes, node)
