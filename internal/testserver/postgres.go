@@ -35,15 +35,20 @@ type Postgres struct {
 // pg_ctl on a free loopback port with fsync off, and waits until it accepts
 // connections. initdb refuses to run as root, so when the test runs as root
 // both run as the postgres user via runuser.
+//
+// pg_ctl detaches the server into its own session, so unlike redis-server it
+// outlives a test binary that dies without running cleanups (SIGKILL, or the
+// panic of go test -timeout); stop such a leftover with
+// pg_ctl -D <dir> -m immediate stop.
 func StartPostgres(t testing.TB) *Postgres {
 	t.Helper()
-	initdb := lookBinary(t, "initdb", postgresHint)
-	pgctl := lookBinary(t, "pg_ctl", postgresHint)
+	initdb := lookPostgresBinary(t, "initdb")
+	pgctl := lookPostgresBinary(t, "pg_ctl")
 
 	var asUser []string // command prefix that drops root
 	var uid, gid = -1, -1
 	if os.Geteuid() == 0 {
-		runuser := lookBinary(t, "runuser", "install util-linux, which provides runuser")
+		runuser := lookBinary(t, "runuser", "running as root, testserver needs it to run initdb as the postgres user (initdb refuses root); install util-linux")
 		u, err := user.Lookup("postgres")
 		if err != nil {
 			unavailable(t, "testserver: running as root, and initdb refuses root, but there is no postgres user to run it as (%v); create one, e.g. useradd --system postgres", err)
@@ -143,7 +148,7 @@ func StartPostgres(t testing.TB) *Postgres {
 // waitPostgres confirms over TCP what pg_ctl -w saw through postmaster.pid.
 // pg_isready is optional: without it, pg_ctl -w is the readiness check.
 func waitPostgres(port int) error {
-	isready, err := findBinary("pg_isready")
+	isready, err := findPostgresBinary("pg_isready")
 	if err != nil {
 		return nil
 	}

@@ -89,7 +89,9 @@ func TestRedisCleanup(t *testing.T) {
 		pid, dir = r.pid(), r.Dir
 		r.Pause(t)
 	})
-	require.NotZero(t, pid)
+	if pid == 0 {
+		t.Skip("no server was started") // inner skipped or failed and said why
+	}
 	assert.False(t, processAlive(pid), "redis-server %d outlived its test", pid)
 	assert.NoDirExists(t, dir)
 }
@@ -179,7 +181,7 @@ func TestClusterNeedsThreeMasters(t *testing.T) {
 }
 
 func TestPostgres(t *testing.T) {
-	psql := lookBinary(t, "psql", postgresHint)
+	psql := lookPostgresBinary(t, "psql")
 	var pid int
 	var dir string
 	t.Run("inner", func(t *testing.T) {
@@ -199,7 +201,9 @@ func TestPostgres(t *testing.T) {
 			assert.NotRegexp(t, `(?m)^Uid:\s+0\s`, string(status), "postmaster runs as root")
 		}
 	})
-	require.NotZero(t, pid)
+	if pid == 0 {
+		t.Skip("no server was started") // inner skipped or failed and said why
+	}
 	assert.False(t, processAlive(pid), "postmaster %d outlived its test", pid)
 	assert.NoDirExists(t, dir)
 }
