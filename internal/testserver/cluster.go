@@ -32,8 +32,9 @@ type Cluster struct {
 	// master is failed over after about twice this.
 	NodeTimeout time.Duration
 
-	t   testing.TB
-	ids map[*Redis]string // node IDs, stable across Restart as nodes.conf survives
+	t        testing.TB
+	replicas int               // per master, as configured
+	ids      map[*Redis]string // node IDs, stable across Restart as nodes.conf survives
 }
 
 // ClusterConfig describes a cluster for StartClusterWith.
@@ -84,6 +85,10 @@ func StartClusterWith(t testing.TB, cfg ClusterConfig) *Cluster {
 				"--cluster-config-file", filepath.Join(dir, fmt.Sprintf("nodes-%d.conf", ports[0])),
 				"--cluster-node-timeout", strconv.FormatInt(cfg.NodeTimeout.Milliseconds(), 10),
 				"--cluster-port", strconv.Itoa(ports[1]),
+				// CLUSTER SLOTS lists a replica only once its replication
+				// offset is non-zero; on an empty master that takes the first
+				// master-to-replica PING, by default 10 s after the sync.
+				"--repl-ping-replica-period", "1",
 			}, cfg.ExtraArgs...)
 		})
 		c.Nodes = append(c.Nodes, node)
@@ -111,7 +116,8 @@ func StartClusterWith(t testing.TB, cfg ClusterConfig) *Cluster {
 			t.Fatalf("testserver: CLUSTER MYID on %s: %v", node.Addr, err)
 		}
 	}
-	c.waitReady(t, cfg.ReplicasPerMaster)
+	c.replicas = cfg.ReplicasPerMaster
+	c.WaitReady(t)
 	return c
 }
 
@@ -130,15 +136,21 @@ func withClient(addr string, f func(*redis.Client) error) error {
 	return f(cl)
 }
 
-// waitReady polls until checkReady passes or the deadline is reached.
-// redis-cli returns once the nodes have met, but gossip still has to spread
-// the final roles and replicas still have to sync: a client that looked
-// earlier could cache a slot map that is about to change.
-func (c *Cluster) waitReady(t testing.TB, replicas int) {
+// WaitReady waits until the cluster is whole: every node answers and
+// reports cluster_state:ok, all agree on one slot map that covers every slot
+// with a master and the configured number of replicas, and every replica's
+// link is up. StartCluster calls it; call it again after stopping,
+// restarting or pausing nodes. A restarted master refuses queries for 2 s
+// (Redis's CLUSTER_WRITABLE_DELAY), so expect at least that. After a failover
+// masters and replicas may have swapped; that still counts as whole.
+func (c *Cluster) WaitReady(t testing.TB) {
 	t.Helper()
+	// redis-cli returns once the nodes have met, but gossip still has to
+	// spread the final roles and replicas still have to sync: a client that
+	// looked earlier could cache a slot map that is about to change.
 	deadline := time.Now().Add(readinessDeadline)
 	for {
-		err := c.checkReady(replicas)
+		err := c.checkReady(c.replicas)
 		if err == nil {
 			return
 		}

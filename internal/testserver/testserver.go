@@ -48,19 +48,30 @@ func unavailable(t testing.TB, format string, args ...any) {
 	t.Skipf("%s (skipping; set %s=1 to make this a failure)", msg, RequireEnv)
 }
 
-// lookBinary finds name on PATH, then in /usr/lib/postgresql/*/bin (newest
-// version first), because Debian's PostgreSQL packages keep initdb and pg_ctl
-// off PATH. When it is nowhere, the test is skipped or failed with hint.
+// lookBinary finds name on PATH. When it is missing, the test is skipped or
+// failed with a message naming it and hint.
 func lookBinary(t testing.TB, name, hint string) string {
 	t.Helper()
-	if p, err := findBinary(name); err == nil {
-		return p
+	p, err := exec.LookPath(name)
+	if err != nil {
+		unavailable(t, "testserver: %s not found on PATH; %s", name, hint)
 	}
-	unavailable(t, "testserver: %s not found on PATH or in /usr/lib/postgresql/*/bin; %s", name, hint)
-	return ""
+	return p
 }
 
-func findBinary(name string) (string, error) {
+// lookPostgresBinary is lookBinary that also searches
+// /usr/lib/postgresql/*/bin (newest version first), because Debian's
+// PostgreSQL packages keep initdb and pg_ctl off PATH.
+func lookPostgresBinary(t testing.TB, name string) string {
+	t.Helper()
+	p, err := findPostgresBinary(name)
+	if err != nil {
+		unavailable(t, "testserver: %s not found on PATH or in /usr/lib/postgresql/*/bin; %s", name, postgresHint)
+	}
+	return p
+}
+
+func findPostgresBinary(name string) (string, error) {
 	if p, err := exec.LookPath(name); err == nil {
 		return p, nil
 	}
