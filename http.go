@@ -336,13 +336,14 @@ func (h *guarded) serve(w http.ResponseWriter, r *http.Request, k Key, fp Finger
 		h.run(ctx, w, r, x, body)
 	case d := <-x.done:
 		// fn never ran: a replay, or nothing happened yet. Only then may
-		// FailOpen run the handler; never when the client has gone, for
-		// then the store's failure may be the cancelled request's doing.
+		// FailOpen run the handler; never when the record is known to be
+		// in flight elsewhere, nor when the client has gone, for then the
+		// store's failure may be the cancelled request's doing.
 		switch {
 		case d.err == nil:
 			sendHead(w, d.res.Response.Status, d.res.Response.Header, true)
 			_, _ = w.Write(d.res.Response.Body)
-		case h.o.FailOpen && errors.Is(d.err, ErrUnavailable) && r.Context().Err() == nil:
+		case h.o.FailOpen && errors.Is(d.err, ErrUnavailable) && !errors.Is(d.err, ErrInFlight) && r.Context().Err() == nil:
 			h.next.ServeHTTP(w, withBody(r.Context(), r, body))
 		default:
 			h.fail(w, d.err)

@@ -535,6 +535,14 @@ func TestMiddlewareContract(t *testing.T) {
 			runs: 2,
 		},
 		{
+			name:  "FailOpen never runs a request known to be in flight",
+			opts:  MiddlewareOptions{FailOpen: true},
+			fault: failOn(errors.Join(ErrInFlight, unavailable("claim", errInjected)), "claim"),
+			calls: []call{
+				post("k", "a", 409, retryHeader, bodyInFlight),
+			},
+		},
+		{
 			name:  "storing the outcome fails: 503, the response is not sent, even with FailOpen",
 			opts:  MiddlewareOptions{FailOpen: true},
 			fault: failOn(unavailable("complete", errInjected), "complete"),
