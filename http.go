@@ -1,0 +1,648 @@
+package idempotency
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Header fields the middleware reads and writes.
+const (
+	// HeaderKey carries the client's idempotency key, as an RFC 8941
+	// sf-string ("abc") or bare (abc).
+	HeaderKey = "Idempotency-Key"
+	// HeaderReplayed is set to "true" on a response replayed from the
+	// record instead of produced by the handler for this request.
+	HeaderReplayed = "Idempotent-Replayed"
+	// HeaderBodyOmitted is set to "too-large" on a replayed response whose
+	// body was over MiddlewareOptions.MaxResponseBytes and so not stored.
+	HeaderBodyOmitted = "Idempotent-Body-Omitted"
+)
+
+// problemTypes is the prefix of every problem type URI the middleware sends:
+// the anchor names the error (ErrMismatch) or the problem (problem-scope).
+const problemTypes = "https://pkg.go.dev/github.com/idempotency-go/idempotency#"
+
+// MiddlewareOptions configures Guard.Middleware. The zero value of every
+// field is its documented default.
+type MiddlewareOptions struct {
+	// Methods are the guarded request methods, compared case-sensitively;
+	// requests with other methods pass through untouched. Default POST and
+	// PATCH.
+	Methods []string
+	// OptionalKey lets a guarded request without an Idempotency-Key pass
+	// through unguarded. Default false: such a request gets 400.
+	OptionalKey bool
+	// Scope returns the scope of the request's key: the account or tenant
+	// it belongs to, so that two tenants never share a record whatever keys
+	// their clients choose. An error answers 400 with the problem type
+	// #problem-scope, and the error's text is not sent. Default: "" for
+	// every request (one tenant).
+	Scope func(r *http.Request) (string, error)
+	// MaxRequestBytes bounds the request body, which is read whole before
+	// the handler runs to fingerprint it. A larger body answers 413 and
+	// nothing is stored. Default 1 MiB.
+	MaxRequestBytes int64
+	// MaxResponseBytes bounds the response body buffered until its outcome
+	// is stored. A handler that writes more never runs twice and never
+	// makes the middleware hold more: the moment its body outgrows the
+	// limit, the record is settled with the handler's status and header
+	// fields, no body, no Content-Length and "Idempotent-Body-Omitted:
+	// too-large"; only then is the response streamed to this client, body
+	// and all. A retry receives that bodiless response, marked replayed.
+	// The disposition is decided at that moment too: a SetDisposition
+	// after it has no effect. Default 1 MiB.
+	MaxResponseBytes int64
+	// FingerprintHeaders names request header fields that are part of the
+	// fingerprint besides the method, path and body. Default none: fields
+	// that change per attempt (timestamps, trace ids) must never be named.
+	FingerprintHeaders []string
+	// Disposition chooses, from the handler's status, what becomes of the
+	// record; a handler's own SetDisposition wins. Default
+	// DefaultDisposition.
+	Disposition func(status int) Disposition
+	// FailOpen runs the handler unguarded when the store cannot be reached
+	// to claim the key, giving up at-most-once for availability. It never
+	// runs a handler a second time: once the handler ran, a failure to
+	// store its outcome answers 503. Default false: 503 and the handler
+	// does not run.
+	FailOpen bool
+	// RetryAfter is sent in Retry-After with 409 (still in flight) and 503
+	// (store unavailable, outcome not stored), in whole seconds rounded
+	// up, at least 1. Default 1s.
+	RetryAfter time.Duration
+}
+
+func (o MiddlewareOptions) withDefaults() MiddlewareOptions {
+	if len(o.Methods) == 0 {
+		o.Methods = []string{http.MethodPost, http.MethodPatch}
+	}
+	o.Methods = slices.Clone(o.Methods)
+	o.FingerprintHeaders = slices.Clone(o.FingerprintHeaders)
+	if o.Scope == nil {
+		o.Scope = func(*http.Request) (string, error) { return "", nil }
+	}
+	if o.MaxRequestBytes <= 0 {
+		o.MaxRequestBytes = 1 << 20
+	}
+	if o.MaxResponseBytes <= 0 {
+		o.MaxResponseBytes = 1 << 20
+	}
+	if o.Disposition == nil {
+		o.Disposition = DefaultDisposition
+	}
+	if o.RetryAfter <= 0 {
+		o.RetryAfter = time.Second
+	}
+	return o
+}
+
+// DefaultDisposition is the middleware's default policy: 5xx releases the
+// key for a retry; 400, 408, 409, 422 and 429 forget it, since the client
+// may correct the request and reuse the key; any other status is kept and
+// replayed.
+func DefaultDisposition(status int) Disposition {
+	switch {
+	case status >= 500:
+		return Release
+	case status == http.StatusBadRequest, status == http.StatusRequestTimeout, status == http.StatusConflict,
+		status == http.StatusUnprocessableEntity, status == http.StatusTooManyRequests:
+		return Forget
+	}
+	return Keep
+}
+
+// Middleware returns net/http middleware that runs each guarded request
+// through g.Do under the key (Scope, Idempotency-Key) and the request's
+// fingerprint, so that its handler runs at most once per key and every
+// retry receives the same response.
+//
+// The handler's response is buffered and stored before any of it is sent
+// (see MaxResponseBytes for one that does not fit). A replay carries the
+// stored status, header fields and body byte for byte, plus
+// "Idempotent-Replayed: true". Set-Cookie, Date, Idempotent-Replayed and
+// hop-by-hop fields (Connection and those it names, Keep-Alive,
+// Proxy-Authenticate, Proxy-Authorization, TE, Trailer, Transfer-Encoding,
+// Upgrade) are sent to the first client only, never stored; so are
+// trailers. Stored fields replace same-named fields set by outer
+// middleware.
+//
+// The handler's request context carries the attempt's Info (FromContext,
+// DownstreamKey, SetDisposition work in it) and is cancelled, with cause
+// ErrFenced, if the lease is lost. Its request body is the buffered body.
+// Flush does nothing until the outcome is stored, and Hijack fails. If the
+// handler panics, the key is released before the panic goes on.
+//
+// Errors are RFC 9457 problem details (application/problem+json, with
+// Cache-Control: no-store), each with its own type, the package
+// documentation URL with one of these anchors:
+//
+//	#problem-missing-key      400  no Idempotency-Key and it is required
+//	#problem-key-repeated     400  Idempotency-Key sent more than once
+//	#ErrInvalidKey            400  key not 1..255 visible ASCII, or a malformed sf-string
+//	#problem-scope            400  Scope failed
+//	#problem-body-unreadable  400  the request body could not be read
+//	#problem-body-too-large   413  request body over MaxRequestBytes
+//	#ErrMismatch              422  key used before with a different request
+//	#ErrInFlight              409  original still running after the wait; Retry-After
+//	#ErrFenced                503  ownership lost before the outcome was stored; Retry-After
+//	#ErrUnavailable           503  the store failed; Retry-After
+func (g *Guard) Middleware(o MiddlewareOptions) func(http.Handler) http.Handler {
+	o = o.withDefaults()
+	secs := max(1, int64(math.Ceil(o.RetryAfter.Seconds())))
+	return func(next http.Handler) http.Handler {
+		return &guarded{g: g, o: o, next: next, retryAfter: strconv.FormatInt(secs, 10)}
+	}
+}
+
+var (
+	errKeyMissing     = errors.New("idempotency: Idempotency-Key header missing")
+	errKeyRepeated    = errors.New("idempotency: Idempotency-Key header repeated")
+	errScope          = errors.New("idempotency: no scope for the request")
+	errBodyUnreadable = errors.New("idempotency: request body unreadable")
+	errHandlerPanic   = errors.New("idempotency: handler panicked")
+	errNotStored      = errors.New("idempotency: response discarded: its outcome could not be stored")
+	errHijack         = errors.New("idempotency: Hijack is not supported by a guarded handler")
+)
+
+type guarded struct {
+	g          *Guard
+	o          MiddlewareOptions
+	next       http.Handler
+	retryAfter string
+}
+
+func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if !slices.Contains(h.o.Methods, r.Method) {
+		h.next.ServeHTTP(w, r)
+		return
+	}
+	values := r.Header.Values(HeaderKey)
+	if len(values) == 0 && h.o.OptionalKey {
+		h.next.ServeHTTP(w, r)
+		return
+	}
+	k, body, err := h.admit(r, values)
+	if err != nil {
+		h.fail(w, err)
+		return
+	}
+	h.serve(w, r, k, requestFingerprint(r, body, h.o.FingerprintHeaders), body)
+}
+
+// admit checks everything that can be checked before the store is asked:
+// the key, the scope and the body, which it returns buffered.
+func (h *guarded) admit(r *http.Request, values []string) (Key, []byte, error) {
+	switch len(values) {
+	case 0:
+		return Key{}, nil, errKeyMissing
+	case 1:
+	default:
+		return Key{}, nil, errKeyRepeated
+	}
+	name, err := parseKey(values[0])
+	if err != nil {
+		return Key{}, nil, err
+	}
+	k := Key{Name: name}
+	if err := k.Validate(); err != nil {
+		return Key{}, nil, err
+	}
+	if k.Scope, err = h.o.Scope(r); err != nil {
+		return Key{}, nil, errScope
+	}
+	body, err := h.readBody(r)
+	return k, body, err
+}
+
+// parseKey reads an Idempotency-Key field value: an RFC 8941 sf-string with
+// nothing after it, or, for clients that do not quote, the bare key.
+func parseKey(v string) (string, error) {
+	v = strings.Trim(v, " \t")
+	if !strings.HasPrefix(v, `"`) {
+		return v, nil
+	}
+	malformed := fmt.Errorf("%w: malformed structured-field string", ErrInvalidKey)
+	var b strings.Builder
+	for i := 1; i < len(v); i++ {
+		switch c := v[i]; {
+		case c == '\\':
+			i++
+			if i == len(v) || (v[i] != '"' && v[i] != '\\') {
+				return "", malformed
+			}
+			b.WriteByte(v[i])
+		case c == '"':
+			if i != len(v)-1 {
+				return "", malformed
+			}
+			return b.String(), nil
+		case c < 0x20 || c > 0x7e:
+			return "", malformed
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return "", malformed
+}
+
+// readBody reads the whole request body, refusing one over MaxRequestBytes
+// without holding more than one byte past the limit.
+func (h *guarded) readBody(r *http.Request) ([]byte, error) {
+	limit := h.o.MaxRequestBytes
+	if r.ContentLength > limit {
+		return nil, bodyTooLargeError{limit}
+	}
+	if r.Body == nil {
+		return nil, nil
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+	var outer *http.MaxBytesError
+	switch {
+	case errors.As(err, &outer): // an outer http.MaxBytesReader
+		return nil, bodyTooLargeError{outer.Limit}
+	case err != nil:
+		return nil, errBodyUnreadable
+	case int64(len(body)) > limit:
+		return nil, bodyTooLargeError{limit}
+	}
+	return body, nil
+}
+
+// bodyTooLargeError reports a request body over limit bytes.
+type bodyTooLargeError struct{ limit int64 }
+
+func (e bodyTooLargeError) Error() string {
+	return fmt.Sprintf("idempotency: request body over %d bytes", e.limit)
+}
+
+// withBody returns a shallow copy of r with ctx and the buffered body.
+func withBody(ctx context.Context, r *http.Request, body []byte) *http.Request {
+	r = r.WithContext(ctx)
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.ContentLength = int64(len(body))
+	return r
+}
+
+// exchange connects the request goroutine, which runs the handler, with the
+// goroutine that runs Guard.Do, whose fn waits for the handler's outcome.
+// Running Do apart lets fn return, and Do store the outcome, while the
+// handler is still writing: that is how a response too large to buffer is
+// stored before its first byte is sent. The handler stays on the request
+// goroutine, so a panic keeps its stack and reaches net/http unchanged.
+type exchange struct {
+	owner   chan context.Context // fn's context, once the caller owns the record
+	outcome chan Response        // what fn returns; closed if the handler panicked
+	done    chan doResult        // what Do returned
+}
+
+type doResult struct {
+	res Result
+	err error
+}
+
+// settle hands the outcome to fn and waits until Do has settled the record.
+func (x *exchange) settle(resp Response) error {
+	x.outcome <- resp
+	return (<-x.done).err
+}
+
+func (h *guarded) serve(w http.ResponseWriter, r *http.Request, k Key, fp Fingerprint, body []byte) {
+	x := &exchange{owner: make(chan context.Context), outcome: make(chan Response), done: make(chan doResult, 1)}
+	go func() {
+		res, err := h.g.Do(r.Context(), k, fp, func(ctx context.Context) (Response, error) {
+			x.owner <- ctx
+			resp, ok := <-x.outcome
+			if !ok {
+				return Response{}, errHandlerPanic
+			}
+			return resp, nil
+		})
+		x.done <- doResult{res, err}
+	}()
+	select {
+	case ctx := <-x.owner:
+		h.run(ctx, w, r, x, body)
+	case d := <-x.done:
+		// fn never ran: a replay, or nothing happened yet. Only then may
+		// FailOpen run the handler; never when the record is known to be
+		// in flight elsewhere, nor when the client has gone, for then the
+		// store's failure may be the cancelled request's doing.
+		switch {
+		case d.err == nil:
+			sendHead(w, d.res.Response.Status, d.res.Response.Header, true)
+			_, _ = w.Write(d.res.Response.Body)
+		case h.o.FailOpen && errors.Is(d.err, ErrUnavailable) && !errors.Is(d.err, ErrInFlight) && r.Context().Err() == nil:
+			h.next.ServeHTTP(w, withBody(r.Context(), r, body))
+		default:
+			h.fail(w, d.err)
+		}
+	}
+}
+
+// run runs the handler as the record's owner; fctx is fn's context.
+func (h *guarded) run(fctx context.Context, w http.ResponseWriter, r *http.Request, x *exchange, body []byte) {
+	info, _ := FromContext(fctx)
+	// The handler's context is not fctx, which Do cancels once fn returns,
+	// possibly while a too-large response is still being written. It has
+	// the same Info and follows fctx's cancellation (a lost lease, the
+	// client gone) until the outcome is settled.
+	ctx, cancel := context.WithCancelCause(context.WithValue(r.Context(), infoKey{}, info))
+	defer cancel(nil)
+	detach := context.AfterFunc(fctx, func() { cancel(context.Cause(fctx)) })
+	rec := &recorder{w: w, header: make(http.Header), limit: h.o.MaxResponseBytes}
+	handed := false // the outcome went to fn
+	rec.settle = func(resp Response) error {
+		info.defaultTo(h.o.Disposition(resp.Status))
+		detach()
+		handed = true
+		err := x.settle(resp)
+		if err != nil {
+			h.fail(w, err)
+		}
+		return err
+	}
+	defer func() {
+		if !handed {
+			// The handler panicked or called runtime.Goexit: Do releases
+			// the record, and only then does the panic go on, so that a
+			// retry finds the key free.
+			close(x.outcome)
+			<-x.done
+		}
+	}()
+	h.next.ServeHTTP(rec, withBody(ctx, r, body))
+	rec.finish()
+}
+
+// recorder is the handler's ResponseWriter. It buffers the response until
+// its outcome is settled, so that no byte reaches the client before; past
+// limit it settles early and then passes the rest through.
+type recorder struct {
+	w      http.ResponseWriter
+	header http.Header // what the handler sets
+	sent   http.Header // header at WriteHeader: later changes are not sent, as with net/http
+	status int
+	body   []byte
+	limit  int64
+	state  recorderState
+	settle func(Response) error // stores the outcome, or answers the client with a problem
+}
+
+type recorderState int
+
+const (
+	recording  recorderState = iota
+	passing                  // the outcome is settled; writes go to the client
+	discarding               // storing failed; the client got a problem
+)
+
+func (rec *recorder) Header() http.Header {
+	if rec.state == passing {
+		return rec.w.Header()
+	}
+	return rec.header
+}
+
+func (rec *recorder) WriteHeader(code int) {
+	if code < 100 || code > 999 {
+		panic(fmt.Sprintf("invalid WriteHeader code %v", code)) // as net/http does
+	}
+	switch {
+	case rec.state == passing:
+		rec.w.WriteHeader(code)
+	case rec.state == discarding, rec.status != 0:
+	case code < 200:
+		// An informational response would reach the client before the
+		// outcome is stored: it is dropped.
+	default:
+		rec.status = code
+		rec.sent = rec.header.Clone()
+	}
+}
+
+func (rec *recorder) Write(p []byte) (int, error) {
+	switch rec.state {
+	case passing:
+		return rec.w.Write(p)
+	case discarding:
+		return 0, errNotStored
+	}
+	if rec.status == 0 {
+		rec.WriteHeader(http.StatusOK)
+	}
+	if rec.status == http.StatusNoContent || rec.status == http.StatusNotModified {
+		return 0, http.ErrBodyNotAllowed
+	}
+	if int64(len(rec.body))+int64(len(p)) <= rec.limit {
+		rec.body = append(rec.body, p...)
+		return len(p), nil
+	}
+	return rec.overflow(p)
+}
+
+// overflow settles a response whose body outgrew the limit with its status
+// and header fields only, then sends it whole, streaming what follows.
+func (rec *recorder) overflow(p []byte) (int, error) {
+	setContentType(rec.sent, rec.body, p)
+	stored := storedHeader(rec.sent)
+	stored.Del("Content-Length")
+	stored.Set(HeaderBodyOmitted, "too-large")
+	if err := rec.settle(Response{Status: rec.status, Header: stored}); err != nil {
+		rec.state, rec.body = discarding, nil
+		return 0, errNotStored
+	}
+	rec.state = passing
+	sendHead(rec.w, rec.status, rec.sent, false)
+	copyTrailers(rec.w.Header(), rec.header)
+	buffered := rec.body
+	rec.body = nil
+	if _, err := rec.w.Write(buffered); err != nil {
+		return 0, err
+	}
+	return rec.w.Write(p)
+}
+
+// finish settles the outcome of a handler that returned, then sends it.
+func (rec *recorder) finish() {
+	if rec.state != recording {
+		return
+	}
+	if rec.status == 0 {
+		rec.WriteHeader(http.StatusOK)
+	}
+	setContentType(rec.sent, rec.body, nil)
+	if rec.settle(Response{Status: rec.status, Header: storedHeader(rec.sent), Body: rec.body}) != nil {
+		return
+	}
+	sendHead(rec.w, rec.status, rec.sent, false)
+	_, _ = rec.w.Write(rec.body)
+	copyTrailers(rec.w.Header(), rec.header)
+}
+
+// Flush does nothing until the outcome is stored: flushing earlier would
+// send bytes whose outcome could still be lost.
+func (rec *recorder) Flush() {
+	if rec.state == passing {
+		_ = http.NewResponseController(rec.w).Flush()
+	}
+}
+
+// Hijack fails: a hijacked connection's bytes could be neither stored nor
+// replayed.
+func (rec *recorder) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	return nil, nil, errHijack
+}
+
+// Unwrap lets http.ResponseController reach the connection's deadlines.
+func (rec *recorder) Unwrap() http.ResponseWriter { return rec.w }
+
+// setContentType does what net/http would do when the first bytes are
+// written without a Content-Type, so that the stored header fields are the
+// ones the client saw.
+func setContentType(h http.Header, body, more []byte) {
+	if _, ok := h["Content-Type"]; ok || h.Get("Transfer-Encoding") != "" || len(body)+len(more) == 0 {
+		return
+	}
+	const sniffLen = 512 // what http.DetectContentType considers
+	if len(body) < sniffLen {
+		body = append(body[:len(body):len(body)], more[:min(len(more), sniffLen-len(body))]...)
+	}
+	h.Set("Content-Type", http.DetectContentType(body))
+}
+
+// storedHeader returns the header fields of h that may be replayed: not
+// those meant for one client (Set-Cookie), one connection (hop-by-hop
+// fields and those Connection names) or one moment (Date).
+func storedHeader(h http.Header) http.Header {
+	connection := h.Values("Connection")
+	out := make(http.Header, len(h))
+	for name, vs := range h {
+		if !notStored(http.CanonicalHeaderKey(name), connection) {
+			out[name] = slices.Clone(vs)
+		}
+	}
+	return out
+}
+
+func notStored(name string, connection []string) bool {
+	switch name {
+	case "Set-Cookie", "Date", HeaderReplayed, "Connection", "Keep-Alive", "Proxy-Authenticate",
+		"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade":
+		return true
+	}
+	if strings.HasPrefix(name, http.TrailerPrefix) {
+		return true
+	}
+	for _, v := range connection {
+		for option := range strings.SplitSeq(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(option), name) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// copyTrailers hands the trailers the handler set after its header was sent
+// to net/http, which sends them after the body.
+func copyTrailers(dst, src http.Header) {
+	for name, vs := range src {
+		if strings.HasPrefix(name, http.TrailerPrefix) {
+			dst[name] = vs
+		}
+	}
+	for _, v := range src.Values("Trailer") {
+		for name := range strings.SplitSeq(v, ",") {
+			name = http.CanonicalHeaderKey(strings.TrimSpace(name))
+			if vs, ok := src[name]; ok {
+				dst[name] = vs
+			}
+		}
+	}
+}
+
+// sendHead writes a response's status and header fields to w. They replace
+// fields of the same name that outer middleware may have set.
+func sendHead(w http.ResponseWriter, status int, h http.Header, replayed bool) {
+	dst := w.Header()
+	for name, vs := range h {
+		dst[name] = slices.Clone(vs)
+	}
+	if replayed {
+		dst.Set(HeaderReplayed, "true")
+	}
+	w.WriteHeader(status)
+}
+
+// problem is an RFC 9457 problem details object.
+type problem struct {
+	Type   string `json:"type"`
+	Title  string `json:"title"`
+	Status int    `json:"status"`
+	Detail string `json:"detail"`
+}
+
+// problemFor describes err to the client. Store failures are described
+// without their text, which may name internal hosts.
+func (h *guarded) problemFor(err error) problem {
+	p := func(anchor string, status int, title, detail string) problem {
+		return problem{Type: problemTypes + anchor, Title: title, Status: status, Detail: detail}
+	}
+	var tooLarge bodyTooLargeError
+	switch {
+	case errors.Is(err, errKeyMissing):
+		return p("problem-missing-key", http.StatusBadRequest, "Idempotency-Key required",
+			"This request must carry an Idempotency-Key header.")
+	case errors.Is(err, errKeyRepeated):
+		return p("problem-key-repeated", http.StatusBadRequest, "Idempotency-Key repeated",
+			"The Idempotency-Key header must be sent exactly once.")
+	case errors.Is(err, ErrInvalidKey):
+		return p("ErrInvalidKey", http.StatusBadRequest, "Invalid Idempotency-Key", err.Error())
+	case errors.Is(err, errScope):
+		return p("problem-scope", http.StatusBadRequest, "Request scope unknown",
+			"The request does not identify the account its Idempotency-Key belongs to.")
+	case errors.Is(err, errBodyUnreadable):
+		return p("problem-body-unreadable", http.StatusBadRequest, "Request body unreadable",
+			"The request body could not be read.")
+	case errors.As(err, &tooLarge):
+		return p("problem-body-too-large", http.StatusRequestEntityTooLarge, "Request body too large",
+			fmt.Sprintf("The request body exceeds %d bytes.", tooLarge.limit))
+	case errors.Is(err, ErrMismatch):
+		return p("ErrMismatch", http.StatusUnprocessableEntity, "Idempotency-Key reused",
+			"This Idempotency-Key was used before with a different request.")
+	case errors.Is(err, ErrInFlight):
+		return p("ErrInFlight", http.StatusConflict, "Request in progress",
+			"A request with this Idempotency-Key is still in progress; retry later with the same key.")
+	case errors.Is(err, ErrFenced):
+		return p("ErrFenced", http.StatusServiceUnavailable, "Outcome not recorded",
+			"This attempt lost its hold on the Idempotency-Key before its outcome was recorded; retry with the same key.")
+	}
+	return p("ErrUnavailable", http.StatusServiceUnavailable, "Idempotency store unavailable",
+		"The outcome of this request could not be looked up or recorded; retry later with the same key.")
+}
+
+// fail answers err as a problem. 409 and 503 say when to retry.
+func (h *guarded) fail(w http.ResponseWriter, err error) {
+	p := h.problemFor(err)
+	body, _ := json.Marshal(p) // strings and an int: cannot fail
+	hd := w.Header()
+	hd.Set("Content-Type", "application/problem+json")
+	hd.Set("Cache-Control", "no-store")
+	if p.Status == http.StatusConflict || p.Status == http.StatusServiceUnavailable {
+		hd.Set("Retry-After", h.retryAfter)
+	}
+	w.WriteHeader(p.Status)
+	_, _ = w.Write(body)
+}

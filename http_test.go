@@ -1,0 +1,1187 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// storeCase is a Store the middleware tests run against.
+type storeCase struct {
+	name string
+	new  func(t *testing.T) Store // a fresh, empty store
+}
+
+// stores lists the stores every middleware test runs against: one line per
+// store.
+func stores() []storeCase {
+	return []storeCase{
+		{"memory", func(*testing.T) Store { return NewMemoryStore(MemoryOptions{}) }},
+	}
+}
+
+func eachStore(t *testing.T, test func(t *testing.T, newStore func(*testing.T) Store)) {
+	for _, sc := range stores() {
+		t.Run(sc.name, func(t *testing.T) { test(t, sc.new) })
+	}
+}
+
+// faultStore passes every operation to hook first; an error from hook is
+// returned instead of running the operation.
+type faultStore struct {
+	Store
+	hook func(op string) error
+}
+
+func (f *faultStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error) {
+	if err := f.hook("claim"); err != nil {
+		return Claim{}, err
+	}
+	return f.Store.Claim(ctx, req)
+}
+
+func (f *faultStore) Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
+	if err := f.hook("complete"); err != nil {
+		return err
+	}
+	return f.Store.Complete(ctx, k, token, resp, retention)
+}
+
+func (f *faultStore) Release(ctx context.Context, k Key, token uint64, forget bool) error {
+	if err := f.hook("release"); err != nil {
+		return err
+	}
+	return f.Store.Release(ctx, k, token, forget)
+}
+
+func (f *faultStore) Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error {
+	if err := f.hook("heartbeat"); err != nil {
+		return err
+	}
+	return f.Store.Heartbeat(ctx, k, token, lease)
+}
+
+func (f *faultStore) Subscribe(ctx context.Context, k Key) (Subscription, error) {
+	if err := f.hook("subscribe"); err != nil {
+		return nil, err
+	}
+	return f.Store.Subscribe(ctx, k)
+}
+
+// failOn returns a hook that fails the named operations with err.
+func failOn(err error, ops ...string) func(string) error {
+	return func(op string) error {
+		for _, o := range ops {
+			if o == op {
+				return err
+			}
+		}
+		return nil
+	}
+}
+
+var errInjected = errors.New("injected failure")
+
+// hdr builds a header from name, value pairs; a name may repeat.
+func hdr(kv ...string) http.Header {
+	h := http.Header{}
+	for i := 0; i < len(kv); i += 2 {
+		h.Add(kv[i], kv[i+1])
+	}
+	return h
+}
+
+const problemBase = `{"type":"https://pkg.go.dev/github.com/idempotency-go/idempotency#`
+
+const (
+	bodyMissingKey   = problemBase + `problem-missing-key","title":"Idempotency-Key required","status":400,"detail":"This request must carry an Idempotency-Key header."}`
+	bodyKeyRepeated  = problemBase + `problem-key-repeated","title":"Idempotency-Key repeated","status":400,"detail":"The Idempotency-Key header must be sent exactly once."}`
+	bodyMalformedKey = problemBase + `ErrInvalidKey","title":"Invalid Idempotency-Key","status":400,"detail":"idempotency: invalid key: malformed structured-field string"}`
+	bodyScope        = problemBase + `problem-scope","title":"Request scope unknown","status":400,"detail":"The request does not identify the account its Idempotency-Key belongs to."}`
+	bodyTooLarge8    = problemBase + `problem-body-too-large","title":"Request body too large","status":413,"detail":"The request body exceeds 8 bytes."}`
+	bodyUnreadable   = problemBase + `problem-body-unreadable","title":"Request body unreadable","status":400,"detail":"The request body could not be read."}`
+	bodyMismatch     = problemBase + `ErrMismatch","title":"Idempotency-Key reused","status":422,"detail":"This Idempotency-Key was used before with a different request."}`
+	bodyInFlight     = problemBase + `ErrInFlight","title":"Request in progress","status":409,"detail":"A request with this Idempotency-Key is still in progress; retry later with the same key."}`
+	bodyFenced       = problemBase + `ErrFenced","title":"Outcome not recorded","status":503,"detail":"This attempt lost its hold on the Idempotency-Key before its outcome was recorded; retry with the same key."}`
+	bodyUnavailable  = problemBase + `ErrUnavailable","title":"Idempotency store unavailable","status":503,"detail":"The outcome of this request could not be looked up or recorded; retry later with the same key."}`
+)
+
+func bodyInvalidKey(detail string) string {
+	return problemBase + `ErrInvalidKey","title":"Invalid Idempotency-Key","status":400,"detail":"idempotency: invalid key: ` + detail + `"}`
+}
+
+var (
+	problemHeader = hdr("Content-Type", "application/problem+json", "Cache-Control", "no-store")
+	retryHeader   = hdr("Content-Type", "application/problem+json", "Cache-Control", "no-store", "Retry-After", "1")
+	createdHeader = hdr("Content-Type", "text/plain")
+	replayHeader  = hdr("Content-Type", "text/plain", HeaderReplayed, "true")
+)
+
+// echo is the default handler of the table: 201 with the run number, the
+// method, the content length and the body it read.
+func echo(w http.ResponseWriter, r *http.Request, run int64) {
+	b, err := io.ReadAll(r.Body)
+	if err != nil {
+		panic(err)
+	}
+	w.Header().Set("Content-Type", "text/plain")
+	w.WriteHeader(http.StatusCreated)
+	fmt.Fprintf(w, "run %d: %s %d %s", run, r.Method, r.ContentLength, b)
+}
+
+// statusHandler answers status with a body naming the run.
+func statusHandler(status int) func(http.ResponseWriter, *http.Request, int64) {
+	return func(w http.ResponseWriter, _ *http.Request, run int64) {
+		w.Header().Set("Content-Type", "text/plain")
+		w.WriteHeader(status)
+		fmt.Fprintf(w, "status %d run %d", status, run)
+	}
+}
+
+// call is one request of a table row and the exact response it must get.
+type call struct {
+	method  string            // default POST
+	keys    []string          // Idempotency-Key field lines
+	body    string            // sent with a Content-Length
+	chunked bool              // send body without a Content-Length
+	header  map[string]string // more request fields
+	status  int
+	want    http.Header
+	resp    string
+}
+
+func post(key, body string, status int, want http.Header, resp string) call {
+	return call{keys: []string{key}, body: body, status: status, want: want, resp: resp}
+}
+
+func (c call) request() *http.Request {
+	method := c.method
+	if method == "" {
+		method = http.MethodPost
+	}
+	var body io.Reader = strings.NewReader(c.body)
+	if c.chunked {
+		body = io.MultiReader(body) // hides the length
+	}
+	r := httptest.NewRequest(method, "/charges", body)
+	for _, k := range c.keys {
+		r.Header.Add(HeaderKey, k)
+	}
+	for name, v := range c.header {
+		r.Header.Set(name, v)
+	}
+	return r
+}
+
+type row struct {
+	name    string
+	opts    MiddlewareOptions
+	fault   func(op string) error
+	handler func(w http.ResponseWriter, r *http.Request, run int64) // default echo
+	calls   []call
+	runs    int64 // how many times the handler must have run
+}
+
+func TestMiddlewareContract(t *testing.T) {
+	longKey := strings.Repeat("k", MaxKeyLength)
+	rows := []row{
+		{
+			name: "unguarded methods pass through",
+			calls: []call{
+				{method: http.MethodGet, keys: []string{"k"}, status: 201, want: createdHeader, resp: "run 1: GET 0 "},
+				{method: http.MethodGet, keys: []string{"k"}, status: 201, want: createdHeader, resp: "run 2: GET 0 "},
+				{method: http.MethodPut, keys: []string{"k", "k"}, body: "x", status: 201, want: createdHeader, resp: "run 3: PUT 1 x"},
+			},
+			runs: 3,
+		},
+		{
+			name: "configured methods are guarded",
+			opts: MiddlewareOptions{Methods: []string{http.MethodPut}},
+			calls: []call{
+				{method: http.MethodPut, keys: []string{"k"}, body: "x", status: 201, want: createdHeader, resp: "run 1: PUT 1 x"},
+				{method: http.MethodPut, keys: []string{"k"}, body: "x", status: 201, want: replayHeader, resp: "run 1: PUT 1 x"},
+				{method: http.MethodPost, body: "x", status: 201, want: createdHeader, resp: "run 2: POST 1 x"},
+			},
+			runs: 2,
+		},
+		{
+			name: "first request runs, the retry is replayed",
+			calls: []call{
+				post("k", "a", 201, createdHeader, "run 1: POST 1 a"),
+				post("k", "a", 201, replayHeader, "run 1: POST 1 a"),
+				post("k", "a", 201, replayHeader, "run 1: POST 1 a"),
+				post("other", "a", 201, createdHeader, "run 2: POST 1 a"),
+			},
+			runs: 2,
+		},
+		{
+			name: "missing key",
+			calls: []call{
+				{body: "a", status: 400, want: problemHeader, resp: bodyMissingKey},
+				post("k", "b", 201, createdHeader, "run 1: POST 1 b"),
+			},
+			runs: 1,
+		},
+		{
+			name: "optional key",
+			opts: MiddlewareOptions{OptionalKey: true},
+			calls: []call{
+				{body: "a", status: 201, want: createdHeader, resp: "run 1: POST 1 a"},
+				{body: "a", status: 201, want: createdHeader, resp: "run 2: POST 1 a"},
+				post("k", "a", 201, createdHeader, "run 3: POST 1 a"),
+				post("k", "a", 201, replayHeader, "run 3: POST 1 a"),
+			},
+			runs: 3,
+		},
+		{
+			name: "invalid keys",
+			calls: []call{
+				post("", "a", 400, problemHeader, bodyInvalidKey("length 0, want 1..255")),
+				post(`""`, "a", 400, problemHeader, bodyInvalidKey("length 0, want 1..255")),
+				post(longKey+"k", "a", 400, problemHeader, bodyInvalidKey("length 256, want 1..255")),
+				post("a b", "a", 400, problemHeader, bodyInvalidKey("byte 0x20 at 1 is not visible ASCII")),
+				post("caf\xc3\xa9", "a", 400, problemHeader, bodyInvalidKey("byte 0xc3 at 3 is not visible ASCII")),
+				post(longKey, "a", 201, createdHeader, "run 1: POST 1 a"),
+			},
+			runs: 1,
+		},
+		{
+			name: "key sent twice",
+			calls: []call{
+				{keys: []string{"k", "k"}, body: "a", status: 400, want: problemHeader, resp: bodyKeyRepeated},
+				{keys: []string{"k", "other"}, body: "a", status: 400, want: problemHeader, resp: bodyKeyRepeated},
+			},
+		},
+		{
+			name: "sf-string and bare key are the same key",
+			calls: []call{
+				post(`"abc"`, "a", 201, createdHeader, "run 1: POST 1 a"),
+				post(`abc`, "a", 201, replayHeader, "run 1: POST 1 a"),
+				post(` "abc" `, "a", 201, replayHeader, "run 1: POST 1 a"),
+				post(`a"b\c`, "a", 201, createdHeader, "run 2: POST 1 a"),
+				post(`"a\"b\\c"`, "a", 201, replayHeader, "run 2: POST 1 a"),
+			},
+			runs: 2,
+		},
+		{
+			name: "malformed sf-strings",
+			calls: []call{
+				post(`"abc`, "a", 400, problemHeader, bodyMalformedKey),
+				post(`"abc"x`, "a", 400, problemHeader, bodyMalformedKey),
+				post(`"abc";p=1`, "a", 400, problemHeader, bodyMalformedKey),
+				post(`"abc", "def"`, "a", 400, problemHeader, bodyMalformedKey),
+				post(`"a\b"`, "a", 400, problemHeader, bodyMalformedKey),
+				post(`"ab\"`, "a", 400, problemHeader, bodyMalformedKey),
+				post("\"a\tb\"", "a", 400, problemHeader, bodyMalformedKey),
+			},
+		},
+		{
+			name: "request body over the limit by Content-Length",
+			opts: MiddlewareOptions{MaxRequestBytes: 8},
+			calls: []call{
+				post("k", "123456789", 413, problemHeader, bodyTooLarge8),
+				// Nothing was stored: the key takes a different request.
+				post("k", "12345678", 201, createdHeader, "run 1: POST 8 12345678"),
+				post("k", "12345678", 201, replayHeader, "run 1: POST 8 12345678"),
+			},
+			runs: 1,
+		},
+		{
+			name: "request body over the limit, length unknown",
+			opts: MiddlewareOptions{MaxRequestBytes: 8},
+			calls: []call{
+				{keys: []string{"k"}, body: "123456789", chunked: true, status: 413, want: problemHeader, resp: bodyTooLarge8},
+				{keys: []string{"k"}, body: "12345678", chunked: true, status: 201, want: createdHeader, resp: "run 1: POST 8 12345678"},
+				post("k", "12345678", 201, replayHeader, "run 1: POST 8 12345678"),
+			},
+			runs: 1,
+		},
+		{
+			name: "different request with the same key",
+			calls: []call{
+				post("k", "a", 201, createdHeader, "run 1: POST 1 a"),
+				post("k", "b", 422, problemHeader, bodyMismatch),
+				{method: http.MethodPatch, keys: []string{"k"}, body: "a", status: 422, want: problemHeader, resp: bodyMismatch},
+				post("k", "a", 201, replayHeader, "run 1: POST 1 a"),
+			},
+			runs: 1,
+		},
+		{
+			name: "equal JSON is the same request",
+			calls: []call{
+				{keys: []string{"k"}, body: `{"amount":100,"currency":"EUR"}`, header: map[string]string{"Content-Type": "application/json"},
+					status: 201, want: createdHeader, resp: `run 1: POST 31 {"amount":100,"currency":"EUR"}`},
+				{keys: []string{"k"}, body: `{ "currency": "EUR", "amount": 1e2 }`, header: map[string]string{"Content-Type": "application/json"},
+					status: 201, want: replayHeader, resp: `run 1: POST 31 {"amount":100,"currency":"EUR"}`},
+				{keys: []string{"k"}, body: `{"amount":101,"currency":"EUR"}`, header: map[string]string{"Content-Type": "application/json"},
+					status: 422, want: problemHeader, resp: bodyMismatch},
+			},
+			runs: 1,
+		},
+		{
+			name: "fingerprint headers",
+			opts: MiddlewareOptions{FingerprintHeaders: []string{"x-amount"}},
+			calls: []call{
+				{keys: []string{"k"}, body: "a", header: map[string]string{"X-Amount": "100", "X-Trace": "1"}, status: 201, want: createdHeader, resp: "run 1: POST 1 a"},
+				{keys: []string{"k"}, body: "a", header: map[string]string{"X-Amount": "100", "X-Trace": "2"}, status: 201, want: replayHeader, resp: "run 1: POST 1 a"},
+				{keys: []string{"k"}, body: "a", header: map[string]string{"X-Amount": "101", "X-Trace": "1"}, status: 422, want: problemHeader, resp: bodyMismatch},
+			},
+			runs: 1,
+		},
+		{
+			name: "scopes separate tenants",
+			opts: MiddlewareOptions{Scope: func(r *http.Request) (string, error) {
+				if a := r.Header.Get("X-Account"); a != "" {
+					return a, nil
+				}
+				return "", errInjected
+			}},
+			calls: []call{
+				{keys: []string{"k"}, body: "a", header: map[string]string{"X-Account": "acct_1"}, status: 201, want: createdHeader, resp: "run 1: POST 1 a"},
+				{keys: []string{"k"}, body: "b", header: map[string]string{"X-Account": "acct_2"}, status: 201, want: createdHeader, resp: "run 2: POST 1 b"},
+				{keys: []string{"k"}, body: "a", header: map[string]string{"X-Account": "acct_1"}, status: 201, want: replayHeader, resp: "run 1: POST 1 a"},
+				{keys: []string{"k"}, body: "b", header: map[string]string{"X-Account": "acct_2"}, status: 201, want: replayHeader, resp: "run 2: POST 1 b"},
+				{keys: []string{"k"}, body: "a", status: 400, want: problemHeader, resp: bodyScope},
+			},
+			runs: 2,
+		},
+		{
+			name:    "400 is forgotten: the key takes a corrected request",
+			handler: func(w http.ResponseWriter, r *http.Request, run int64) { statusHandler(400+22*int(run-1))(w, r, run) },
+			calls: []call{
+				post("k", "a", 400, createdHeader, "status 400 run 1"),
+				post("k", "b", 422, createdHeader, "status 422 run 2"),
+				post("k", "c", 444, createdHeader, "status 444 run 3"),
+				post("k", "c", 444, replayHeader, "status 444 run 3"),
+				post("k", "a", 422, problemHeader, bodyMismatch),
+			},
+			runs: 3,
+		},
+		{
+			name:    "5xx is released: the retry runs again",
+			handler: func(w http.ResponseWriter, r *http.Request, run int64) { statusHandler(500+int(run))(w, r, run) },
+			calls: []call{
+				post("k", "a", 501, createdHeader, "status 501 run 1"),
+				post("k", "b", 422, problemHeader, bodyMismatch),
+				post("k", "a", 502, createdHeader, "status 502 run 2"),
+			},
+			runs: 2,
+		},
+		{
+			name:    "3xx is kept",
+			handler: statusHandler(http.StatusSeeOther),
+			calls: []call{
+				post("k", "a", 303, createdHeader, "status 303 run 1"),
+				post("k", "a", 303, replayHeader, "status 303 run 1"),
+			},
+			runs: 1,
+		},
+		{
+			name: "the Disposition option",
+			opts: MiddlewareOptions{Disposition: func(status int) Disposition {
+				if status == http.StatusServiceUnavailable {
+					return Keep
+				}
+				return DefaultDisposition(status)
+			}},
+			handler: statusHandler(http.StatusServiceUnavailable),
+			calls: []call{
+				post("k", "a", 503, createdHeader, "status 503 run 1"),
+				post("k", "a", 503, replayHeader, "status 503 run 1"),
+			},
+			runs: 1,
+		},
+		{
+			name: "the handler's SetDisposition wins",
+			handler: func(w http.ResponseWriter, r *http.Request, run int64) {
+				d := map[int64]Disposition{1: Forget, 2: Release, 3: Keep}[run]
+				if !SetDisposition(r.Context(), d) {
+					panic("no operation in the request context")
+				}
+				statusHandler(http.StatusCreated)(w, r, run)
+			},
+			calls: []call{
+				post("k", "a", 201, createdHeader, "status 201 run 1"),
+				post("k", "b", 201, createdHeader, "status 201 run 2"), // forgotten: any request
+				post("k", "a", 422, problemHeader, bodyMismatch),
+				post("k", "b", 201, createdHeader, "status 201 run 3"), // released: the same request
+				post("k", "b", 201, replayHeader, "status 201 run 3"),
+			},
+			runs: 3,
+		},
+		{
+			name: "replayed header fields",
+			handler: func(w http.ResponseWriter, _ *http.Request, _ int64) {
+				h := w.Header()
+				h.Set("Content-Type", "application/json")
+				h.Add("X-Multi", "one")
+				h.Add("X-Multi", "two")
+				h.Add("X-Multi", "three")
+				h.Add("Set-Cookie", "session=abc")
+				h.Add("Set-Cookie", "theme=dark")
+				h.Set("Date", "Mon, 02 Jan 2006 15:04:05 GMT")
+				h.Set("Connection", "X-Hop-A, x-hop-b")
+				h.Set("X-Hop-A", "1")
+				h.Set("X-Hop-B", "2")
+				h.Set("Keep-Alive", "timeout=5")
+				h.Set("Proxy-Authenticate", "Basic")
+				h.Set("Proxy-Authorization", "Basic eA==")
+				h.Set("TE", "trailers")
+				h.Set("Trailer", "X-Sum")
+				h.Set("Transfer-Encoding", "chunked")
+				h.Set("Upgrade", "h2c")
+				h.Set(HeaderReplayed, "false")
+				h.Set("Location", "/charges/1")
+				w.WriteHeader(http.StatusCreated)
+				h.Set("X-Late", "not sent: the header was already written")
+				_, _ = w.Write([]byte(`{"id":1}`))
+			},
+			calls: []call{
+				post("k", "a", 201, hdr("Content-Type", "application/json", "X-Multi", "one", "X-Multi", "two", "X-Multi", "three",
+					"Set-Cookie", "session=abc", "Set-Cookie", "theme=dark", "Date", "Mon, 02 Jan 2006 15:04:05 GMT",
+					"Connection", "X-Hop-A, x-hop-b", "X-Hop-A", "1", "X-Hop-B", "2", "Keep-Alive", "timeout=5",
+					"Proxy-Authenticate", "Basic", "Proxy-Authorization", "Basic eA==", "TE", "trailers", "Trailer", "X-Sum",
+					"Transfer-Encoding", "chunked", "Upgrade", "h2c", HeaderReplayed, "false", "Location", "/charges/1"), `{"id":1}`),
+				post("k", "a", 201, hdr("Content-Type", "application/json", "X-Multi", "one", "X-Multi", "two", "X-Multi", "three",
+					"Location", "/charges/1", HeaderReplayed, "true"), `{"id":1}`),
+			},
+			runs: 1,
+		},
+		{
+			name: "stored fields replace those of outer middleware",
+			handler: func(w http.ResponseWriter, _ *http.Request, _ int64) {
+				w.Header().Set("X-Outer", "handler")
+				w.WriteHeader(http.StatusAccepted)
+			},
+			calls: []call{
+				{keys: []string{"k"}, header: map[string]string{"X-Set-Outer": "outer"}, status: 202, want: hdr("X-Outer", "handler", "X-Only-Outer", "outer")},
+				{keys: []string{"k"}, header: map[string]string{"X-Set-Outer": "outer"}, status: 202, want: hdr("X-Outer", "handler", "X-Only-Outer", "outer", HeaderReplayed, "true")},
+			},
+			runs: 1,
+		},
+		{
+			name:    "a handler that writes nothing answers 200",
+			handler: func(http.ResponseWriter, *http.Request, int64) {},
+			calls: []call{
+				post("k", "a", 200, hdr(), ""),
+				post("k", "a", 200, hdr(HeaderReplayed, "true"), ""),
+			},
+			runs: 1,
+		},
+		{
+			name: "an unset Content-Type is sniffed once and stored",
+			handler: func(w http.ResponseWriter, _ *http.Request, _ int64) {
+				_, _ = io.WriteString(w, "<html><body>charged</body></html>")
+			},
+			calls: []call{
+				post("k", "a", 200, hdr("Content-Type", "text/html; charset=utf-8"), "<html><body>charged</body></html>"),
+				post("k", "a", 200, hdr("Content-Type", "text/html; charset=utf-8", HeaderReplayed, "true"), "<html><body>charged</body></html>"),
+			},
+			runs: 1,
+		},
+		{
+			name: "informational responses and a body on 204 are dropped",
+			handler: func(w http.ResponseWriter, _ *http.Request, _ int64) {
+				w.Header().Set("Link", "</style.css>; rel=preload")
+				w.WriteHeader(http.StatusEarlyHints)
+				w.WriteHeader(http.StatusNoContent)
+				w.WriteHeader(http.StatusOK) // superfluous
+				if _, err := w.Write([]byte("x")); !errors.Is(err, http.ErrBodyNotAllowed) {
+					panic(err)
+				}
+			},
+			calls: []call{
+				post("k", "a", 204, hdr("Link", "</style.css>; rel=preload"), ""),
+				post("k", "a", 204, hdr("Link", "</style.css>; rel=preload", HeaderReplayed, "true"), ""),
+			},
+			runs: 1,
+		},
+		{
+			name:  "store unavailable: 503, the handler does not run",
+			fault: failOn(unavailable("claim", errInjected), "claim"),
+			calls: []call{
+				post("k", "a", 503, retryHeader, bodyUnavailable),
+				{body: "a", status: 400, want: problemHeader, resp: bodyMissingKey},
+			},
+		},
+		{
+			name:  "Retry-After is whole seconds, rounded up",
+			opts:  MiddlewareOptions{RetryAfter: 1500 * time.Millisecond},
+			fault: failOn(unavailable("claim", errInjected), "claim"),
+			calls: []call{
+				post("k", "a", 503, hdr("Content-Type", "application/problem+json", "Cache-Control", "no-store", "Retry-After", "2"), bodyUnavailable),
+			},
+		},
+		{
+			name:  "store unavailable with FailOpen: the handler runs unguarded",
+			opts:  MiddlewareOptions{FailOpen: true},
+			fault: failOn(unavailable("claim", errInjected), "claim"),
+			calls: []call{
+				post("k", "a", 201, createdHeader, "run 1: POST 1 a"),
+				post("k", "a", 201, createdHeader, "run 2: POST 1 a"),
+			},
+			runs: 2,
+		},
+		{
+			name:  "FailOpen never runs a request known to be in flight",
+			opts:  MiddlewareOptions{FailOpen: true},
+			fault: failOn(errors.Join(ErrInFlight, unavailable("claim", errInjected)), "claim"),
+			calls: []call{
+				post("k", "a", 409, retryHeader, bodyInFlight),
+			},
+		},
+		{
+			name:  "storing the outcome fails: 503, the response is not sent, even with FailOpen",
+			opts:  MiddlewareOptions{FailOpen: true},
+			fault: failOn(unavailable("complete", errInjected), "complete"),
+			calls: []call{
+				post("k", "a", 503, retryHeader, bodyUnavailable),
+			},
+			runs: 1,
+		},
+		{
+			name:  "fenced at completion: 503, the response is not sent",
+			fault: failOn(ErrFenced, "complete"),
+			calls: []call{
+				post("k", "a", 503, retryHeader, bodyFenced),
+			},
+			runs: 1,
+		},
+		{
+			name:    "fenced at release: 503, the response is not sent",
+			fault:   failOn(ErrFenced, "release"),
+			handler: statusHandler(http.StatusInternalServerError),
+			calls: []call{
+				post("k", "a", 503, retryHeader, bodyFenced),
+			},
+			runs: 1,
+		},
+	}
+	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+		for _, row := range rows {
+			t.Run(row.name, func(t *testing.T) {
+				var s Store = newStore(t)
+				if row.fault != nil {
+					s = &faultStore{Store: s, hook: row.fault}
+				}
+				handle := row.handler
+				if handle == nil {
+					handle = echo
+				}
+				var runs atomic.Int64
+				h := New(s, Options{}).Middleware(row.opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					handle(w, r, runs.Add(1))
+				}))
+				outer := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					if v := r.Header.Get("X-Set-Outer"); v != "" {
+						w.Header().Set("X-Outer", v)
+						w.Header().Set("X-Only-Outer", v)
+					}
+					h.ServeHTTP(w, r)
+				})
+				for i, c := range row.calls {
+					rr := httptest.NewRecorder()
+					outer.ServeHTTP(rr, c.request())
+					res := rr.Result()
+					body, err := io.ReadAll(res.Body)
+					require.NoError(t, err)
+					assert.Equal(t, c.status, res.StatusCode, "call %d", i)
+					assert.Equal(t, c.want, res.Header, "call %d", i)
+					assert.Equal(t, c.resp, string(body), "call %d", i)
+				}
+				assert.Equal(t, row.runs, runs.Load(), "handler runs")
+			})
+		}
+	})
+}
+
+func TestMiddlewareUnreadableBody(t *testing.T) {
+	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+		var runs atomic.Int64
+		h := New(newStore(t), Options{}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { runs.Add(1) }))
+		for _, tc := range []struct {
+			name   string
+			body   func(w http.ResponseWriter) io.ReadCloser
+			status int
+			resp   string
+		}{
+			{"read error", func(http.ResponseWriter) io.ReadCloser {
+				return io.NopCloser(io.MultiReader(strings.NewReader("abc"), iotestErrReader{}))
+			}, 400, bodyUnreadable},
+			{"outer MaxBytesReader", func(w http.ResponseWriter) io.ReadCloser {
+				return http.MaxBytesReader(w, io.NopCloser(strings.NewReader("0123456789")), 4)
+			}, 413, problemBase + `problem-body-too-large","title":"Request body too large","status":413,"detail":"The request body exceeds 4 bytes."}`},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				rr := httptest.NewRecorder()
+				r := httptest.NewRequest(http.MethodPost, "/", tc.body(rr))
+				r.Header.Set(HeaderKey, "k")
+				h.ServeHTTP(rr, r)
+				assert.Equal(t, tc.status, rr.Code)
+				assert.Equal(t, problemHeader, rr.Header())
+				assert.Equal(t, tc.resp, rr.Body.String())
+			})
+		}
+		assert.Zero(t, runs.Load())
+	})
+}
+
+type iotestErrReader struct{}
+
+func (iotestErrReader) Read([]byte) (int, error) { return 0, errInjected }
+
+// TestMiddlewareConcurrentDuplicates sends one key 100 times at once over
+// HTTP: the handler runs once, and all 100 get its response.
+func TestMiddlewareConcurrentDuplicates(t *testing.T) {
+	const n = 100
+	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+		var waiting atomic.Int64
+		allWaiting := make(chan struct{})
+		s := &faultStore{Store: newStore(t), hook: func(op string) error {
+			if op == "subscribe" && waiting.Add(1) == n-1 {
+				close(allWaiting)
+			}
+			return nil
+		}}
+		var runs atomic.Int64
+		h := New(s, Options{}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			run := runs.Add(1)
+			// Hold the original until every duplicate waits for it, so
+			// that all of them take the waiting path.
+			select {
+			case <-allWaiting:
+			case <-time.After(10 * time.Second):
+			}
+			w.Header().Set("X-Operation", DownstreamKey(r.Context(), "test"))
+			w.WriteHeader(http.StatusCreated)
+			fmt.Fprintf(w, "run %d", run)
+		}))
+		srv := httptest.NewServer(h)
+		defer srv.Close()
+
+		type answer struct {
+			status   int
+			body     string
+			op       string
+			replayed string
+		}
+		answers := make([]answer, n)
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Go(func() {
+				req, err := http.NewRequest(http.MethodPost, srv.URL+"/charges", strings.NewReader(`{"amount":100}`))
+				if !assert.NoError(t, err) {
+					return
+				}
+				req.Header.Set(HeaderKey, "same-key")
+				req.Header.Set("Content-Type", "application/json")
+				res, err := srv.Client().Do(req)
+				if !assert.NoError(t, err) {
+					return
+				}
+				defer res.Body.Close()
+				b, err := io.ReadAll(res.Body)
+				assert.NoError(t, err)
+				answers[i] = answer{res.StatusCode, string(b), res.Header.Get("X-Operation"), res.Header.Get(HeaderReplayed)}
+			})
+		}
+		wg.Wait()
+		assert.Equal(t, int64(1), runs.Load())
+		replays := 0
+		for _, a := range answers {
+			assert.Equal(t, 201, a.status)
+			assert.Equal(t, "run 1", a.body)
+			assert.Equal(t, answers[0].op, a.op)
+			assert.NotEmpty(t, a.op)
+			if a.replayed == "true" {
+				replays++
+			}
+		}
+		assert.Equal(t, n-1, replays)
+	})
+}
+
+// blockingHandler runs until release is closed; entered receives once it
+// runs.
+func blockingHandler(entered chan<- struct{}, release <-chan struct{}) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		entered <- struct{}{}
+		<-release
+		w.Header().Set("Content-Type", "text/plain")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, "done")
+	})
+}
+
+func serve(h http.Handler, r *http.Request) *httptest.ResponseRecorder {
+	rr := httptest.NewRecorder()
+	h.ServeHTTP(rr, r)
+	return rr
+}
+
+func keyed(key, body string) *http.Request {
+	r := httptest.NewRequest(http.MethodPost, "/charges", strings.NewReader(body))
+	r.Header.Set(HeaderKey, key)
+	return r
+}
+
+// TestMiddlewareWaitsForOriginal: a duplicate of a running request waits
+// for it and gets its response.
+func TestMiddlewareWaitsForOriginal(t *testing.T) {
+	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+		subscribed := make(chan struct{}, 1)
+		s := &faultStore{Store: newStore(t), hook: func(op string) error {
+			if op == "subscribe" {
+				subscribed <- struct{}{}
+			}
+			return nil
+		}}
+		entered, release := make(chan struct{}, 2), make(chan struct{})
+		h := New(s, Options{}).Middleware(MiddlewareOptions{})(blockingHandler(entered, release))
+
+		original := make(chan *httptest.ResponseRecorder)
+		go func() { original <- serve(h, keyed("k", "a")) }()
+		<-entered
+		duplicate := make(chan *httptest.ResponseRecorder)
+		go func() { duplicate <- serve(h, keyed("k", "a")) }()
+		<-subscribed
+		close(release)
+
+		o, d := <-original, <-duplicate
+		assert.Equal(t, 201, o.Code)
+		assert.Equal(t, createdHeader, o.Header())
+		assert.Equal(t, "done", o.Body.String())
+		assert.Equal(t, 201, d.Code)
+		assert.Equal(t, replayHeader, d.Header())
+		assert.Equal(t, "done", d.Body.String())
+		assert.Empty(t, entered, "the duplicate ran the handler")
+	})
+}
+
+// TestMiddlewareWaitTimeout: a duplicate that waits longer than
+// WaitTimeout gets 409 with Retry-After; the original is unaffected.
+func TestMiddlewareWaitTimeout(t *testing.T) {
+	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+		entered, release := make(chan struct{}, 2), make(chan struct{})
+		h := New(newStore(t), Options{WaitTimeout: 20 * time.Millisecond}).Middleware(MiddlewareOptions{})(blockingHandler(entered, release))
+
+		original := make(chan *httptest.ResponseRecorder)
+		go func() { original <- serve(h, keyed("k", "a")) }()
+		<-entered
+		d := serve(h, keyed("k", "a"))
+		close(release)
+		assert.Equal(t, 409, d.Code)
+		assert.Equal(t, retryHeader, d.Header())
+		assert.Equal(t, bodyInFlight, d.Body.String())
+
+		o := <-original
+		assert.Equal(t, 201, o.Code)
+		assert.Equal(t, "done", o.Body.String())
+		assert.Empty(t, entered, "the duplicate ran the handler")
+	})
+}
+
+// TestMiddlewareLeaseLost: when the lease is lost while the handler runs,
+// its context is cancelled with ErrFenced and its response is not sent.
+func TestMiddlewareLeaseLost(t *testing.T) {
+	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+		s := &faultStore{Store: newStore(t), hook: failOn(ErrFenced, "heartbeat")}
+		cause := make(chan error, 1)
+		h := New(s, Options{Lease: 30 * time.Millisecond}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			select {
+			case <-r.Context().Done():
+				cause <- context.Cause(r.Context())
+			case <-time.After(10 * time.Second):
+				cause <- errors.New("the context was not cancelled")
+			}
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, "charged anyway")
+		}))
+		rr := serve(h, keyed("k", "a"))
+		assert.ErrorIs(t, <-cause, ErrFenced)
+		assert.Equal(t, 503, rr.Code)
+		assert.Equal(t, retryHeader, rr.Header())
+		assert.Equal(t, bodyFenced, rr.Body.String())
+	})
+}
+
+// journal records, in order, what reaches the client and the store.
+type journal struct {
+	mu     sync.Mutex
+	events []string
+}
+
+func (j *journal) add(format string, args ...any) {
+	j.mu.Lock()
+	j.events = append(j.events, fmt.Sprintf(format, args...))
+	j.mu.Unlock()
+}
+
+func (j *journal) list() []string {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return append([]string(nil), j.events...)
+}
+
+// journalWriter is a client's ResponseWriter that writes to the journal.
+type journalWriter struct {
+	*httptest.ResponseRecorder
+	j *journal
+}
+
+func (w journalWriter) WriteHeader(code int) {
+	w.j.add("client: status %d", code)
+	w.ResponseRecorder.WriteHeader(code)
+}
+
+func (w journalWriter) Write(p []byte) (int, error) {
+	w.j.add("client: %q", p)
+	return w.ResponseRecorder.Write(p)
+}
+
+func (w journalWriter) Flush() {
+	w.j.add("client: flush")
+	w.ResponseRecorder.Flush()
+}
+
+func journaled(t *testing.T, s Store, j *journal, fail func(op string) error) Store {
+	return &faultStore{Store: s, hook: func(op string) error {
+		if op == "heartbeat" {
+			return nil
+		}
+		err := fail(op)
+		j.add("store: %s %v", op, err)
+		return err
+	}}
+}
+
+// TestMiddlewarePersistThenSend: nothing reaches the client, not even on
+// Flush, before the outcome is stored; Hijack fails.
+func TestMiddlewarePersistThenSend(t *testing.T) {
+	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+		j := &journal{}
+		var hijackErr error
+		h := New(journaled(t, newStore(t), j, failOn(nil)), Options{}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, "one ")
+			w.(http.Flusher).Flush()
+			assert.NoError(t, http.NewResponseController(w).Flush())
+			_, _ = io.WriteString(w, "two")
+			_, _, hijackErr = http.NewResponseController(w).Hijack()
+			j.add("handler: returns")
+		}))
+		rr := httptest.NewRecorder()
+		h.ServeHTTP(journalWriter{rr, j}, keyed("k", "a"))
+		assert.ErrorIs(t, hijackErr, errHijack)
+		assert.Equal(t, []string{
+			"store: claim <nil>",
+			"handler: returns",
+			"store: complete <nil>",
+			"client: status 201",
+			`client: "one two"`,
+		}, j.list())
+		assert.Equal(t, 201, rr.Code)
+		assert.Equal(t, "one two", rr.Body.String())
+	})
+}
+
+// TestMiddlewareTooLargeResponse: a response over MaxResponseBytes is
+// settled without its body before its first byte is sent, then streamed
+// whole to the first client; a retry gets it bodiless and marked.
+func TestMiddlewareTooLargeResponse(t *testing.T) {
+	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+		j := &journal{}
+		var runs atomic.Int64
+		var writeErr error
+		h := New(journaled(t, newStore(t), j, failOn(nil)), Options{}).Middleware(MiddlewareOptions{MaxResponseBytes: 16})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			w.Header().Set("Content-Length", "30")
+			w.Header().Add("X-Multi", "a")
+			w.Header().Add("X-Multi", "b")
+			w.Header().Set("Set-Cookie", "session=abc")
+			_, _ = io.WriteString(w, "0123456789")
+			w.(http.Flusher).Flush()
+			j.add("handler: 10 bytes written")
+			_, _ = io.WriteString(w, "abcdefghij")
+			j.add("handler: 20 bytes written")
+			_, writeErr = io.WriteString(w, "KLMNOPQRST")
+			w.(http.Flusher).Flush()
+			// Do has returned; the handler's context must not end with it.
+			select {
+			case <-r.Context().Done():
+				t.Errorf("the handler's context ended with Do: %v", context.Cause(r.Context()))
+			case <-time.After(50 * time.Millisecond):
+			}
+		}))
+		rr := httptest.NewRecorder()
+		h.ServeHTTP(journalWriter{rr, j}, keyed("k", "a"))
+		require.NoError(t, writeErr)
+		assert.Equal(t, []string{
+			"store: claim <nil>",
+			"handler: 10 bytes written",
+			"store: complete <nil>",
+			"client: status 200",
+			`client: "0123456789"`,
+			`client: "abcdefghij"`,
+			"handler: 20 bytes written",
+			`client: "KLMNOPQRST"`,
+			"client: flush",
+		}, j.list())
+		assert.Equal(t, 200, rr.Code)
+		assert.Equal(t, hdr("Content-Length", "30", "Content-Type", "text/plain; charset=utf-8", "X-Multi", "a", "X-Multi", "b", "Set-Cookie", "session=abc"), rr.Header())
+		assert.Equal(t, "0123456789abcdefghijKLMNOPQRST", rr.Body.String())
+
+		rr = serve(h, keyed("k", "a"))
+		assert.Equal(t, 200, rr.Code)
+		assert.Equal(t, hdr("Content-Type", "text/plain; charset=utf-8", "X-Multi", "a", "X-Multi", "b",
+			HeaderBodyOmitted, "too-large", HeaderReplayed, "true"), rr.Header())
+		assert.Empty(t, rr.Body.String())
+		assert.Equal(t, int64(1), runs.Load())
+	})
+}
+
+// TestMiddlewareTooLargeResponseNotStored: when settling a too-large
+// response fails, the client gets 503 and none of the handler's bytes.
+func TestMiddlewareTooLargeResponseNotStored(t *testing.T) {
+	for _, fault := range []error{ErrFenced, unavailable("complete", errInjected)} {
+		t.Run(fault.Error(), func(t *testing.T) {
+			eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+				var writeErrs []error
+				h := New(&faultStore{Store: newStore(t), hook: failOn(fault, "complete")}, Options{}).
+					Middleware(MiddlewareOptions{MaxResponseBytes: 4})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					for range 3 {
+						_, err := io.WriteString(w, "abc")
+						writeErrs = append(writeErrs, err)
+					}
+				}))
+				rr := serve(h, keyed("k", "a"))
+				assert.Equal(t, []error{nil, errNotStored, errNotStored}, writeErrs)
+				assert.Equal(t, 503, rr.Code)
+				assert.Equal(t, retryHeader, rr.Header())
+				want := bodyUnavailable
+				if errors.Is(fault, ErrFenced) {
+					want = bodyFenced
+				}
+				assert.Equal(t, want, rr.Body.String())
+			})
+		})
+	}
+}
+
+// TestMiddlewarePanicReleasesKey: a panic goes on unchanged to net/http
+// after the key was released, so the next request runs the handler.
+func TestMiddlewarePanicReleasesKey(t *testing.T) {
+	for _, value := range []any{"boom", http.ErrAbortHandler} {
+		t.Run(fmt.Sprint(value), func(t *testing.T) {
+			eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+				var runs atomic.Int64
+				h := New(newStore(t), Options{}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					if runs.Add(1) == 1 {
+						_, _ = io.WriteString(w, "partial")
+						panic(value)
+					}
+					info, _ := FromContext(r.Context())
+					fmt.Fprintf(w, "attempt %d takeover %t", info.Attempt, info.Takeover)
+				}))
+				rr := httptest.NewRecorder()
+				assert.PanicsWithValue(t, value, func() { h.ServeHTTP(rr, keyed("k", "a")) })
+				assert.False(t, rr.Flushed)
+				assert.Empty(t, rr.Body.String(), "bytes of the panicked attempt were sent")
+
+				rr = serve(h, keyed("k", "a"))
+				assert.Equal(t, 200, rr.Code)
+				assert.Equal(t, "attempt 2 takeover true", rr.Body.String())
+				assert.Equal(t, int64(2), runs.Load())
+			})
+		})
+	}
+}
+
+// TestMiddlewareInfoInHandler: the handler's context carries the attempt's
+// Info; a retry after a release keeps the operation ID and so the
+// downstream key.
+func TestMiddlewareInfoInHandler(t *testing.T) {
+	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+		type seen struct {
+			operationID, downstream string
+			attempt                 int
+			token                   uint64
+			takeover                bool
+		}
+		var attempts []seen
+		h := New(newStore(t), Options{}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			info, ok := FromContext(r.Context())
+			require.True(t, ok)
+			attempts = append(attempts, seen{info.OperationID, DownstreamKey(r.Context(), "gateway"), info.Attempt, info.Token, info.Takeover})
+			w.WriteHeader([]int{http.StatusBadGateway, http.StatusAccepted}[len(attempts)-1])
+		}))
+		assert.Equal(t, 502, serve(h, keyed("k", "a")).Code)
+		assert.Equal(t, 202, serve(h, keyed("k", "a")).Code)
+		rr := serve(h, keyed("k", "a"))
+		assert.Equal(t, 202, rr.Code)
+		assert.Equal(t, "true", rr.Header().Get(HeaderReplayed))
+
+		require.Len(t, attempts, 2)
+		first, second := attempts[0], attempts[1]
+		assert.NotEmpty(t, first.operationID)
+		assert.Equal(t, first.operationID, second.operationID)
+		assert.Equal(t, first.downstream, second.downstream)
+		assert.True(t, strings.HasPrefix(first.downstream, "idem_"), first.downstream)
+		assert.Equal(t, []int{1, 2}, []int{first.attempt, second.attempt})
+		assert.Equal(t, []bool{false, true}, []bool{first.takeover, second.takeover})
+		assert.Greater(t, second.token, first.token)
+	})
+}
+
+// TestMiddlewareOverHTTP runs the middleware behind a real server: cookies
+// and trailers reach the first client only, Date is the server's own, and
+// an aborted handler leaves the key free.
+func TestMiddlewareOverHTTP(t *testing.T) {
+	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+		var runs atomic.Int64
+		h := New(newStore(t), Options{}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			run := runs.Add(1)
+			if r.Header.Get("X-Abort") == "yes" && run == 1 {
+				panic(http.ErrAbortHandler)
+			}
+			b, _ := io.ReadAll(r.Body)
+			// Deadlines are the connection's: they reach it through Unwrap.
+			assert.NoError(t, http.NewResponseController(w).SetWriteDeadline(time.Now().Add(time.Minute)))
+			w.Header().Set("Set-Cookie", "session=abc")
+			w.Header().Set("Trailer", "X-Checksum")
+			w.Header().Set("Content-Type", "text/plain")
+			w.WriteHeader(http.StatusCreated)
+			fmt.Fprintf(w, "run %d: %s", run, b)
+			w.Header().Set("X-Checksum", "c0ffee")
+		}))
+		srv := httptest.NewServer(h)
+		defer srv.Close()
+		send := func(key, body string, header ...string) (*http.Response, string, error) {
+			req, err := http.NewRequest(http.MethodPost, srv.URL, io.MultiReader(strings.NewReader(body))) // chunked
+			require.NoError(t, err)
+			req.Header.Set(HeaderKey, strconv.Quote(key))
+			for i := 0; i < len(header); i += 2 {
+				req.Header.Set(header[i], header[i+1])
+			}
+			res, err := srv.Client().Do(req)
+			if err != nil {
+				return nil, "", err
+			}
+			defer res.Body.Close()
+			b, err := io.ReadAll(res.Body)
+			require.NoError(t, err)
+			return res, string(b), nil
+		}
+
+		res, body, err := send("k1", "a")
+		require.NoError(t, err)
+		assert.Equal(t, 201, res.StatusCode)
+		assert.Equal(t, "run 1: a", body)
+		assert.Equal(t, "session=abc", res.Header.Get("Set-Cookie"))
+		assert.Equal(t, "c0ffee", res.Trailer.Get("X-Checksum"))
+		assert.NotEmpty(t, res.Header.Get("Date"))
+		assert.Empty(t, res.Header.Get(HeaderReplayed))
+
+		res, body, err = send("k1", "a")
+		require.NoError(t, err)
+		assert.Equal(t, 201, res.StatusCode)
+		assert.Equal(t, "run 1: a", body)
+		assert.Empty(t, res.Header.Values("Set-Cookie"))
+		assert.Empty(t, res.Trailer)
+		assert.NotEmpty(t, res.Header.Get("Date"))
+		assert.Equal(t, "true", res.Header.Get(HeaderReplayed))
+
+		runs.Store(0)
+		_, _, err = send("k2", "b", "X-Abort", "yes")
+		require.Error(t, err, "an aborted handler must abort the response")
+		res, body, err = send("k2", "b", "X-Abort", "yes")
+		require.NoError(t, err)
+		assert.Equal(t, 201, res.StatusCode)
+		assert.Equal(t, "run 2: b", body)
+	})
+}
+
+func TestParseKey(t *testing.T) {
+	for in, want := range map[string]string{
+		`abc`:        "abc",
+		`"abc"`:      "abc",
+		` "abc"	`:    "abc",
+		`"a\"b\\c"`:  `a"b\c`,
+		`a"b`:        `a"b`,
+		`"a b"`:      "a b", // a valid sf-string, refused later by Key.Validate
+		`""`:         "",
+		`"\\\\\""`:   `\\"`,
+		`"~!#$%&'("`: `~!#$%&'(`,
+	} {
+		got, err := parseKey(in)
+		assert.NoError(t, err, in)
+		assert.Equal(t, want, got, in)
+	}
+	for _, in := range []string{`"`, `"abc`, `"abc"x`, `"abc" "`, `"a\b"`, `"a\`, "\"a\x7f\"", "\"a\x00\"", `"abc";a=1`} {
+		_, err := parseKey(in)
+		assert.ErrorIs(t, err, ErrInvalidKey, in)
+	}
+}
+
+func TestDefaultDisposition(t *testing.T) {
+	for status, want := range map[int]Disposition{
+		200: Keep, 201: Keep, 204: Keep, 302: Keep, 401: Keep, 402: Keep, 403: Keep, 404: Keep, 410: Keep,
+		400: Forget, 408: Forget, 409: Forget, 422: Forget, 429: Forget,
+		500: Release, 502: Release, 503: Release, 599: Release,
+	} {
+		assert.Equal(t, want, DefaultDisposition(status), "status %d", status)
+	}
+}
+
+// TestMiddlewareFailOpenNotForGoneClient: a store failure while the client
+// is gone may be the cancellation's doing, so FailOpen does not run the
+// handler.
+func TestMiddlewareFailOpenNotForGoneClient(t *testing.T) {
+	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+		ctx, cancel := context.WithCancel(context.Background())
+		s := &faultStore{Store: newStore(t), hook: func(string) error {
+			cancel()
+			return unavailable("claim", ctx.Err())
+		}}
+		var runs atomic.Int64
+		h := New(s, Options{}).Middleware(MiddlewareOptions{FailOpen: true})(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { runs.Add(1) }))
+		rr := serve(h, keyed("k", "a").WithContext(ctx))
+		assert.Equal(t, 503, rr.Code)
+		assert.Equal(t, bodyUnavailable, rr.Body.String())
+		assert.Zero(t, runs.Load())
+	})
+}
+
+// TestMiddlewareInvalidStatus: an invalid status panics as net/http does,
+// and the key is released.
+func TestMiddlewareInvalidStatus(t *testing.T) {
+	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
+		var runs atomic.Int64
+		h := New(newStore(t), Options{}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if runs.Add(1) == 1 {
+				w.WriteHeader(42)
+			}
+			w.WriteHeader(http.StatusAccepted)
+		}))
+		// A request made by hand may have no body at all.
+		r, err := http.NewRequest(http.MethodPost, "/charges", nil)
+		require.NoError(t, err)
+		r.Header.Set(HeaderKey, "k")
+		assert.PanicsWithValue(t, "invalid WriteHeader code 42", func() { serve(h, r) })
+		assert.Equal(t, 202, serve(h, r).Code)
+		assert.Equal(t, 202, serve(h, r).Code)
+		assert.Equal(t, int64(2), runs.Load())
+	})
+}
