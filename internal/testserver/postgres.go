@@ -1,0 +1,200 @@
+package testserver
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+const postgresHint = "install PostgreSQL server binaries (Debian/Ubuntu: apt-get install postgresql; macOS: brew install postgresql)"
+
+// Postgres is a PostgreSQL server owned by one test, with trust
+// authentication for the superuser "postgres". It is stopped and its data
+// directory removed when the test ends.
+type Postgres struct {
+	// DSN connects as postgres to the postgres database over TCP, e.g.
+	// "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable".
+	DSN string
+	// Port is the TCP port on 127.0.0.1.
+	Port int
+	// Dir is the data directory, which also holds the Unix socket and the
+	// server log.
+	Dir string
+}
+
+// StartPostgres initialises a fresh cluster with initdb, starts it with
+// pg_ctl on a free loopback port with fsync off, and waits until it accepts
+// connections. initdb refuses to run as root, so when the test runs as root
+// both run as the postgres user via runuser.
+func StartPostgres(t testing.TB) *Postgres {
+	t.Helper()
+	initdb := lookBinary(t, "initdb", postgresHint)
+	pgctl := lookBinary(t, "pg_ctl", postgresHint)
+
+	var asUser []string // command prefix that drops root
+	var uid, gid = -1, -1
+	if os.Geteuid() == 0 {
+		runuser := lookBinary(t, "runuser", "install util-linux, which provides runuser")
+		u, err := user.Lookup("postgres")
+		if err != nil {
+			unavailable(t, "testserver: running as root, and initdb refuses root, but there is no postgres user to run it as (%v); create one, e.g. useradd --system postgres", err)
+		}
+		uid, _ = strconv.Atoi(u.Uid)
+		gid, _ = strconv.Atoi(u.Gid)
+		asUser = []string{runuser, "-u", "postgres", "--"}
+	}
+
+	// Not t.TempDir: its parents are 0700 and owned by root, so the postgres
+	// user could not reach it.
+	dir, err := os.MkdirTemp(tempBase(uid), "testserver-pg-")
+	if err != nil {
+		t.Fatalf("testserver: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := os.RemoveAll(dir); err != nil {
+			t.Errorf("testserver: removing %s: %v", dir, err)
+		}
+	})
+	if strings.ContainsAny(dir, "'\"\\ ") {
+		// pg_ctl hands -o to /bin/sh; a plain temp path needs no quoting.
+		t.Fatalf("testserver: temp dir %q needs shell quoting; set TMPDIR to a plain path", dir)
+	}
+	if uid >= 0 {
+		if err := os.Chown(dir, uid, gid); err != nil {
+			t.Fatalf("testserver: chown %s to postgres: %v", dir, err)
+		}
+	}
+
+	run := func(timeout time.Duration, bin string, args ...string) ([]byte, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		argv := append(append(append([]string{}, asUser...), bin), args...)
+		cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+		// The postgres user may not be able to enter the test's working
+		// directory; the data directory is its own.
+		cmd.Dir = dir
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+		cmd.Cancel = func() error { return killGroup(cmd.Process.Pid, syscall.SIGKILL) }
+		// pg_ctl's postmaster could inherit our output pipe and keep it open
+		// for its whole life; -l below prevents that, WaitDelay guards it.
+		cmd.WaitDelay = 2 * time.Second
+		return cmd.CombinedOutput()
+	}
+
+	out, err := run(60*time.Second, initdb, "-D", dir, "-U", "postgres", "-A", "trust",
+		"--no-sync", "-E", "UTF8", "--locale=C")
+	if err != nil {
+		t.Fatalf("testserver: initdb: %v\n%s", err, tail(out, 8<<10))
+	}
+
+	// Registered before the start so that a start that times out with the
+	// server half up is still cleaned; it runs before the RemoveAll above.
+	t.Cleanup(func() {
+		out, err := run(30*time.Second, pgctl, "-D", dir, "-m", "immediate", "-w", "stop")
+		if err != nil {
+			// pg_ctl stop failed (or nothing was running): kill whatever
+			// postmaster.pid still names.
+			if pid := postmasterPID(dir); pid > 0 {
+				if kerr := syscall.Kill(pid, syscall.SIGKILL); kerr == nil {
+					t.Logf("testserver: pg_ctl stop failed (%v: %s); killed postmaster %d", err, bytes.TrimSpace(out), pid)
+				}
+			}
+		}
+	})
+
+	const attempts = 5
+	for attempt := 1; ; attempt++ {
+		port := freePorts(t, 1)[0]
+		logPath := filepath.Join(dir, fmt.Sprintf("postgres-%d.log", port))
+		opts := fmt.Sprintf("-p %d -k '%s' -c listen_addresses=127.0.0.1 -c fsync=off", port, dir)
+		out, err := run(60*time.Second, pgctl, "-D", dir, "-l", logPath, "-w", "-t", "30", "-o", opts, "start")
+		if err == nil {
+			err = waitPostgres(port)
+		}
+		if err == nil {
+			p := &Postgres{
+				DSN:  fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port),
+				Port: port,
+				Dir:  dir,
+			}
+			t.Cleanup(func() {
+				if t.Failed() {
+					t.Logf("testserver: postgres %d log:\n%s", port, readLog(logPath))
+				}
+			})
+			return p
+		}
+		log := readLog(logPath)
+		if !strings.Contains(log, "Address already in use") || attempt == attempts {
+			t.Fatalf("testserver: pg_ctl start on port %d: %v\n%s\n%s", port, err, bytes.TrimSpace(out), log)
+		}
+	}
+}
+
+// waitPostgres confirms over TCP what pg_ctl -w saw through postmaster.pid.
+// pg_isready is optional: without it, pg_ctl -w is the readiness check.
+func waitPostgres(port int) error {
+	isready, err := findBinary("pg_isready")
+	if err != nil {
+		return nil
+	}
+	deadline := time.Now().Add(readinessDeadline)
+	for {
+		out, err := exec.Command(isready, "-h", "127.0.0.1", "-p", strconv.Itoa(port),
+			"-U", "postgres", "-d", "postgres", "-t", "1").CombinedOutput()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("pg_isready: %v: %s", err, bytes.TrimSpace(out))
+		}
+		time.Sleep(pollInterval)
+	}
+}
+
+// postmasterPID reads the first line of DIR/postmaster.pid, or returns 0. A
+// stale file may name a pid since reused by another program, so the pid only
+// counts if that process is a postgres whose command line names dir.
+func postmasterPID(dir string) int {
+	b, err := os.ReadFile(filepath.Join(dir, "postmaster.pid"))
+	if err != nil {
+		return 0
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	pid, err := strconv.Atoi(strings.TrimSpace(line))
+	if err != nil || pid <= 0 {
+		return 0
+	}
+	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil || !bytes.Contains(cmdline, []byte("postgres")) || !bytes.Contains(cmdline, []byte(dir)) {
+		return 0
+	}
+	return pid
+}
+
+// tempBase returns os.TempDir, or /tmp when running as root with a TMPDIR
+// the postgres user (uid >= 0) cannot traverse.
+func tempBase(uid int) string {
+	base := os.TempDir()
+	if uid < 0 {
+		return base
+	}
+	for d := base; ; d = filepath.Dir(d) {
+		fi, err := os.Stat(d)
+		if err != nil || fi.Mode().Perm()&0o001 == 0 {
+			return "/tmp"
+		}
+		if d == filepath.Dir(d) {
+			return base
+		}
+	}
+}

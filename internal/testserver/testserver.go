@@ -1,0 +1,168 @@
+// Package testserver starts throwaway real servers (redis-server, a Redis
+// Cluster, PostgreSQL) on free loopback ports for tests, and stops them when
+// the test ends.
+//
+// A missing server binary skips the test with a message naming the binary and
+// how to install it, unless IDEMPOTENCY_REQUIRE_SERVERS=1, in which case the
+// test fails: CI sets it so that a broken image cannot turn the real-server
+// tests into silent skips.
+//
+// Every function that takes a testing.TB reports problems with t.Fatal and so
+// must be called from the test's own goroutine.
+package testserver
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// RequireEnv is the environment variable that turns a missing server binary
+// from a skip into a failure.
+const RequireEnv = "IDEMPOTENCY_REQUIRE_SERVERS"
+
+// Require reports whether IDEMPOTENCY_REQUIRE_SERVERS=1, that is whether a
+// missing server binary must fail the test rather than skip it.
+func Require() bool {
+	return os.Getenv(RequireEnv) == "1"
+}
+
+// unavailable skips the test, or fails it when servers are required. It
+// never returns.
+func unavailable(t testing.TB, format string, args ...any) {
+	t.Helper()
+	msg := fmt.Sprintf(format, args...)
+	if Require() {
+		t.Fatalf("%s (%s=1, so this is a failure rather than a skip)", msg, RequireEnv)
+	}
+	t.Skipf("%s (skipping; set %s=1 to make this a failure)", msg, RequireEnv)
+}
+
+// lookBinary finds name on PATH, then in /usr/lib/postgresql/*/bin (newest
+// version first), because Debian's PostgreSQL packages keep initdb and pg_ctl
+// off PATH. When it is nowhere, the test is skipped or failed with hint.
+func lookBinary(t testing.TB, name, hint string) string {
+	t.Helper()
+	if p, err := findBinary(name); err == nil {
+		return p
+	}
+	unavailable(t, "testserver: %s not found on PATH or in /usr/lib/postgresql/*/bin; %s", name, hint)
+	return ""
+}
+
+func findBinary(name string) (string, error) {
+	if p, err := exec.LookPath(name); err == nil {
+		return p, nil
+	}
+	matches, _ := filepath.Glob(filepath.Join("/usr/lib/postgresql", "*", "bin", name))
+	// Sort by the numeric version directory so that 15 beats 9.6.
+	slices.SortFunc(matches, func(a, b string) int {
+		return compareVersions(pgVersionOf(b), pgVersionOf(a))
+	})
+	for _, m := range matches {
+		if fi, err := os.Stat(m); err == nil && !fi.IsDir() && fi.Mode()&0o111 != 0 {
+			return m, nil
+		}
+	}
+	return "", fmt.Errorf("%s: %w", name, exec.ErrNotFound)
+}
+
+// pgVersionOf extracts "15" from /usr/lib/postgresql/15/bin/initdb.
+func pgVersionOf(path string) string {
+	return filepath.Base(filepath.Dir(filepath.Dir(path)))
+}
+
+func compareVersions(a, b string) int {
+	as, bs := strings.Split(a, "."), strings.Split(b, ".")
+	for i := 0; i < max(len(as), len(bs)); i++ {
+		var x, y int
+		if i < len(as) {
+			x, _ = strconv.Atoi(as[i])
+		}
+		if i < len(bs) {
+			y, _ = strconv.Atoi(bs[i])
+		}
+		if x != y {
+			return x - y
+		}
+	}
+	return 0
+}
+
+// freePorts returns n distinct ports that were free on 127.0.0.1 a moment
+// ago. All listeners stay open until every port is chosen, so the kernel
+// cannot hand out the same port twice; another process can still take one
+// before the server binds it, which is why the starters retry on EADDRINUSE.
+func freePorts(t testing.TB, n int) []int {
+	t.Helper()
+	ports := make([]int, 0, n)
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatalf("testserver: finding a free port: %v", err)
+		}
+		defer l.Close()
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports
+}
+
+// newProcAttr puts the child in its own process group, so that killing the
+// group also kills anything it forked, and asks the kernel to SIGKILL it if
+// the test binary dies without running cleanups (a test timeout panics and
+// exits without them).
+func newProcAttr() *syscall.SysProcAttr {
+	return &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+}
+
+// killGroup sends sig to the process group led by pid. ESRCH means the group
+// is already gone, which is what the caller wanted.
+func killGroup(pid int, sig syscall.Signal) error {
+	if err := syscall.Kill(-pid, sig); err != nil && !errors.Is(err, syscall.ESRCH) {
+		return err
+	}
+	return nil
+}
+
+// readinessDeadline bounds every wait for a server to come up. Generous,
+// because a loaded CI machine running tests with -race in parallel is slow,
+// yet short enough that a broken server fails the test quickly.
+const readinessDeadline = 20 * time.Second
+
+// pollInterval is short because servers usually come up in milliseconds.
+const pollInterval = 10 * time.Millisecond
+
+// tail returns at most the last n bytes of b, cut at a line start, so failure
+// messages show the server's final words rather than its banner.
+func tail(b []byte, n int) string {
+	if len(b) <= n {
+		return string(b)
+	}
+	b = b[len(b)-n:]
+	if i := bytes.IndexByte(b, '\n'); i >= 0 {
+		b = b[i+1:]
+	}
+	return "...\n" + string(b)
+}
+
+// readLog returns the tail of a log file for a failure message.
+func readLog(path string) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Sprintf("(cannot read log %s: %v)", path, err)
+	}
+	if len(b) == 0 {
+		return "(log is empty)"
+	}
+	return tail(b, 8<<10)
+}
