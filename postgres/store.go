@@ -78,6 +78,8 @@ type Store struct {
 	closed    bool
 }
 
+var _ idempotency.Store = (*Store)(nil)
+
 // New returns a Store that keeps its records in pool's database. Call
 // Migrate before first use, and Close when done with the Store.
 func New(pool *pgxpool.Pool, o Options) *Store {
@@ -305,12 +307,15 @@ func (s *Store) Subscribe(ctx context.Context, k idempotency.Key) (idempotency.S
 		s.subs[sub.id] = make(map[*subscription]struct{})
 	}
 	s.subs[sub.id][sub] = struct{}{}
-	listening := s.listening
+	listening, stopped := s.listening, s.stopped
 	s.mu.Unlock()
 
 	select {
 	case <-listening:
 		return sub, nil
+	case <-stopped:
+		sub.Close()
+		return nil, unavailable("subscribe", errClosed)
 	case <-ctx.Done():
 		sub.Close()
 		s.mu.Lock()

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/idempotency-go/idempotency"
+	"github.com/idempotency-go/idempotency/idempotencytest"
 	"github.com/idempotency-go/idempotency/internal/testserver"
 	"github.com/idempotency-go/idempotency/postgres"
 	"github.com/jackc/pgx/v5"
@@ -41,9 +42,13 @@ func TestStore(t *testing.T) {
 		name string
 		run  func(*testing.T, *fixture)
 	}{
-		{"Transitions", testTransitions},
-		{"TokensGrowAcrossRecreation", testTokensGrowAcrossRecreation},
-		{"ConcurrentClaims", testConcurrentClaims},
+		{"Conformance", func(t *testing.T, f *fixture) {
+			idempotencytest.Run(t, func(t *testing.T) idempotencytest.Harness {
+				s, _ := f.store(t)
+				return idempotencytest.Harness{Store: s}
+			})
+		}},
+		{"ConcurrentClaimsOnExpiredRecord", testConcurrentClaimsOnExpiredRecord},
 		{"CompleteTxRollback", testCompleteTxRollback},
 		{"CompleteTxCommit", testCompleteTxCommit},
 		{"DeleteExpired", testDeleteExpired},
@@ -122,158 +127,62 @@ func drain(sub idempotency.Subscription) {
 var okResponse = idempotency.Response{Status: http.StatusCreated,
 	Header: http.Header{"Content-Type": {"application/json"}, "X-Multi": {"a", "b"}}, Body: []byte(`{"id":"ch_1"}`)}
 
-func testTransitions(t *testing.T, f *fixture) {
+// Many claimers racing for a record whose retention ran out make exactly one
+// new record in its place, whatever their fingerprints; the suite's races
+// cover new, released and taken-over records.
+func testConcurrentClaimsOnExpiredRecord(t *testing.T, f *fixture) {
 	s, _ := f.store(t)
 	ctx := t.Context()
-	req := request("k1", longLease)
+	const keys = 3
+	first := make([]idempotency.Claim, keys)
+	for i := range keys {
+		req := request(fmt.Sprintf("k%d", i), longLease)
+		req.Retention = 200 * time.Millisecond
+		first[i] = claim(t, s, req)
+		require.Equal(t, idempotency.Owner, first[i].State)
+	}
+	time.Sleep(300 * time.Millisecond) // the records expire
 
-	owner := claim(t, s, req)
-	require.Equal(t, idempotency.Owner, owner.State)
-	assert.Equal(t, "op_k1", owner.OperationID)
-	assert.Equal(t, 1, owner.Attempt)
-
-	again := req
-	again.OperationID = "op_other"
-	inFlight := claim(t, s, again)
-	assert.Equal(t, idempotency.InFlight, inFlight.State)
-	assert.Greater(t, inFlight.LeaseLeft, longLease-10*time.Second)
-	assert.LessOrEqual(t, inFlight.LeaseLeft, longLease)
-
-	other := req
-	other.Fingerprint = fp("different body")
-	assert.Equal(t, idempotency.Mismatch, claim(t, s, other).State)
-
-	require.NoError(t, s.Heartbeat(ctx, req.Key, owner.Token, longLease))
-	require.ErrorIs(t, s.Heartbeat(ctx, req.Key, owner.Token+1, longLease), idempotency.ErrFenced)
-	require.ErrorIs(t, s.Complete(ctx, req.Key, owner.Token+1, okResponse, longRetention), idempotency.ErrFenced)
-
-	require.NoError(t, s.Release(ctx, req.Key, owner.Token, false))
-	require.ErrorIs(t, s.Release(ctx, req.Key, owner.Token, false), idempotency.ErrFenced, "a released owner is fenced")
-	takeover := claim(t, s, again)
-	require.Equal(t, idempotency.Owner, takeover.State)
-	assert.Equal(t, "op_k1", takeover.OperationID, "a takeover keeps the operation ID")
-	assert.Equal(t, 2, takeover.Attempt)
-	assert.Greater(t, takeover.Token, owner.Token)
-	require.ErrorIs(t, s.Complete(ctx, req.Key, owner.Token, okResponse, longRetention), idempotency.ErrFenced)
-
-	require.NoError(t, s.Complete(ctx, req.Key, takeover.Token, okResponse, longRetention))
-	replay := claim(t, s, req)
-	require.Equal(t, idempotency.Completed, replay.State)
-	assert.Equal(t, "op_k1", replay.OperationID)
-	assert.Equal(t, okResponse, replay.Response)
-	assert.Equal(t, idempotency.Mismatch, claim(t, s, other).State)
-	require.ErrorIs(t, s.Complete(ctx, req.Key, takeover.Token, okResponse, longRetention), idempotency.ErrFenced,
-		"a completed record takes no second outcome")
-
-	// A lease that runs out on the database's clock lets the next claim
-	// take over, and fences the stalled owner.
-	short := request("k2", 200*time.Millisecond)
-	first := claim(t, s, short)
-	require.Equal(t, idempotency.Owner, first.State)
-	second := claimUntil(t, s, short, idempotency.Owner)
-	assert.Equal(t, 2, second.Attempt)
-	assert.Equal(t, "op_k2", second.OperationID)
-	require.ErrorIs(t, s.Heartbeat(ctx, short.Key, first.Token, longLease), idempotency.ErrFenced)
-
-	// Forget frees the key for any request.
-	forgotten := request("k3", longLease)
-	c := claim(t, s, forgotten)
-	require.NoError(t, s.Release(ctx, forgotten.Key, c.Token, true))
-	forgotten.Fingerprint, forgotten.OperationID = fp("a new request"), "op_new"
-	c = claim(t, s, forgotten)
-	require.Equal(t, idempotency.Owner, c.State)
-	assert.Equal(t, "op_new", c.OperationID)
-	assert.Equal(t, 1, c.Attempt)
-
-	// Scopes never see each other's records.
-	scoped := request("k1", longLease)
-	scoped.Key.Scope = "acct_2"
-	assert.Equal(t, idempotency.Owner, claim(t, s, scoped).State)
-}
-
-// A record that expired, or was forgotten, and is made again gets a greater
-// token than every earlier one: the sequence outlives the rows.
-func testTokensGrowAcrossRecreation(t *testing.T, f *fixture) {
-	s, o := f.store(t)
-	ctx := t.Context()
-	req := request("k", longLease)
-	req.Retention = 100 * time.Millisecond
-	first := claim(t, s, req)
-	require.Equal(t, idempotency.Owner, first.State)
-
-	req.Fingerprint, req.OperationID = fp("another request"), "op_again"
-	second := claimUntil(t, s, req, idempotency.Owner) // once the first expired
-	assert.Equal(t, 1, second.Attempt)
-	assert.Equal(t, "op_again", second.OperationID)
-	assert.Greater(t, second.Token, first.Token)
-	require.ErrorIs(t, s.Complete(ctx, req.Key, first.Token, okResponse, longRetention), idempotency.ErrFenced)
-
-	req.Retention = longRetention
-	require.NoError(t, s.Release(ctx, req.Key, second.Token, true))
-	var rows int
-	require.NoError(t, f.pool.QueryRow(ctx, "SELECT count(*) FROM "+o.Table).Scan(&rows))
-	require.Zero(t, rows, "forget deletes the row")
-	third := claim(t, s, req)
-	require.Equal(t, idempotency.Owner, third.State)
-	assert.Greater(t, third.Token, second.Token)
-}
-
-// Exactly one of many concurrent claimers becomes the owner, whether the
-// record is new, released, or held under an expired lease.
-func testConcurrentClaims(t *testing.T, f *fixture) {
-	s, _ := f.store(t)
-	ctx := t.Context()
-	race := func(req idempotency.ClaimRequest) (owner idempotency.Claim) {
-		t.Helper()
+	for i := range keys {
 		start := make(chan struct{})
+		reqs := make([]idempotency.ClaimRequest, claimers)
 		results := make([]idempotency.Claim, claimers)
 		errs := make([]error, claimers)
 		var wg sync.WaitGroup
-		for i := range claimers {
+		for j := range claimers {
+			reqs[j] = request(fmt.Sprintf("k%d", i), longLease)
+			reqs[j].OperationID = fmt.Sprintf("op_%d", j)
+			reqs[j].Fingerprint = fp(fmt.Sprintf("request %d", j%2))
 			wg.Go(func() {
 				<-start
-				r := req
-				r.OperationID = fmt.Sprintf("op_%d", i)
-				results[i], errs[i] = s.Claim(ctx, r)
+				results[j], errs[j] = s.Claim(ctx, reqs[j])
 			})
 		}
 		close(start)
 		wg.Wait()
-		owners := 0
-		for i, c := range results {
-			require.NoError(t, errs[i])
-			switch c.State {
-			case idempotency.Owner:
-				owners++
-				owner = c
-			case idempotency.InFlight:
-			default:
-				t.Fatalf("claimer %d: state %v", i, c.State)
+		owner := -1
+		for j, c := range results {
+			require.NoError(t, errs[j])
+			if c.State == idempotency.Owner {
+				require.Equal(t, -1, owner, "claims %d and %d both own key %d", owner, j, i)
+				owner = j
 			}
 		}
-		require.Equal(t, 1, owners)
-		return owner
+		require.NotEqual(t, -1, owner, "no claim of key %d became the owner", i)
+		won := results[owner]
+		assert.Equal(t, reqs[owner].OperationID, won.OperationID, "the new record has the winner's operation ID")
+		assert.Equal(t, 1, won.Attempt)
+		assert.Greater(t, won.Token, first[i].Token)
+		for j, c := range results {
+			switch {
+			case j == owner:
+			case reqs[j].Fingerprint == reqs[owner].Fingerprint:
+				assert.Equal(t, idempotency.InFlight, c.State, "claim %d", j)
+			default:
+				assert.Equal(t, idempotency.Mismatch, c.State, "claim %d", j)
+			}
+		}
 	}
-
-	for round := range 5 {
-		req := request(fmt.Sprintf("new_%d", round), longLease)
-		owner := race(req)
-		assert.Equal(t, 1, owner.Attempt)
-
-		require.NoError(t, s.Release(ctx, req.Key, owner.Token, false))
-		released := race(req)
-		assert.Equal(t, 2, released.Attempt)
-		assert.Equal(t, owner.OperationID, released.OperationID)
-		assert.Greater(t, released.Token, owner.Token)
-	}
-
-	first := claim(t, s, request("expired", 200*time.Millisecond))
-	time.Sleep(300 * time.Millisecond) // the first owner's lease runs out
-	// The racers ask for long leases: the winner's must not run out too
-	// while the others still claim.
-	takeover := race(request("expired", longLease))
-	assert.Equal(t, 2, takeover.Attempt)
-	assert.Equal(t, first.OperationID, takeover.OperationID)
 }
 
 // charges creates a business table next to the store's.
