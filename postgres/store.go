@@ -1,0 +1,482 @@
+// Package postgres is an idempotency.Store on PostgreSQL 15 or later,
+// through pgx. It has the contract of every store (see idempotency.Store),
+// and one thing more: CompleteTx completes a record inside the caller's
+// transaction, so that the business write and the completion commit
+// together or not at all.
+//
+// Leases and retention are judged by the database's clock (now()), never by
+// the application servers'. Run Migrate once at start-up, and DeleteExpired
+// on a schedule.
+package postgres
+
+import (
+	"context"
+	"crypto/sha256"
+	_ "embed"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"text/template"
+	"time"
+
+	"github.com/idempotency-go/idempotency"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+//go:embed schema.sql
+var schemaSQL string
+
+var schemaTemplate = template.Must(template.New("schema.sql").Option("missingkey=error").Parse(schemaSQL))
+
+// Options configures a Store. The zero value of every field is its
+// documented default.
+type Options struct {
+	// Table is the table of records, schema-qualified with a dot if need be
+	// ("app.idempotency_records"). The indexes, functions and triggers that
+	// Migrate creates are named after it. Default "idempotency_records".
+	Table string
+	// Channel is the LISTEN/NOTIFY channel on which settling a record wakes
+	// its waiters. Migrate writes it into the table's trigger, so every
+	// Store on one table must use the same Channel. Default
+	// "idempotency_wake".
+	Channel string
+}
+
+// deleteBatch bounds the rows one DeleteExpired statement deletes, so that
+// no transaction holds many row locks or runs for long.
+const deleteBatch = 10000
+
+// Listener reconnection backs off from the first delay, doubling up to the
+// last.
+const (
+	minReconnectDelay = 50 * time.Millisecond
+	maxReconnectDelay = 5 * time.Second
+)
+
+// Store is an idempotency.Store on PostgreSQL. It is safe for concurrent use.
+// Stores in many processes that share a database and Options act as one.
+type Store struct {
+	pool *pgxpool.Pool
+	opts Options
+	// The table's statements, with its quoted name filled in.
+	claimSQL, completeSQL, releaseSQL, forgetSQL, heartbeatSQL, deleteSQL string
+
+	mu   sync.Mutex
+	subs map[string]map[*subscription]struct{} // by wakeID
+	// listening is closed while the listener's connection has executed
+	// LISTEN; it is replaced by an open one when that connection is lost.
+	listening chan struct{}
+	up        bool  // listening is closed
+	listenErr error // why the listener last lost or failed to get a connection
+	stop      context.CancelFunc
+	stopped   chan struct{} // closed when the listener goroutine has ended
+	closed    bool
+}
+
+var _ idempotency.Store = (*Store)(nil)
+
+// New returns a Store that keeps its records in pool's database. Call
+// Migrate before first use, and Close when done with the Store.
+func New(pool *pgxpool.Pool, o Options) *Store {
+	if o.Table == "" {
+		o.Table = "idempotency_records"
+	}
+	if o.Channel == "" {
+		o.Channel = "idempotency_wake"
+	}
+	n := newNames(o.Table)
+	t := n.Table
+	// A record is owned by a token while it is in flight and not expired.
+	const owned = `scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress' AND expires_at > now()`
+	return &Store{
+		pool: pool,
+		opts: o,
+		claimSQL: `SELECT o_state, coalesce(o_operation_id, ''), coalesce(o_attempt, 0), coalesce(o_token, 0), o_response, coalesce(o_lease_left_us, 0)
+			FROM ` + n.Claim + `($1, $2, $3, $4, $5, $6, $7)`,
+		completeSQL: `UPDATE ` + t + ` SET state = 'completed', response = $4,
+			expires_at = now() + $5 * interval '1 microsecond' WHERE ` + owned,
+		releaseSQL:   `UPDATE ` + t + ` SET state = 'released' WHERE ` + owned,
+		forgetSQL:    `DELETE FROM ` + t + ` WHERE ` + owned,
+		heartbeatSQL: `UPDATE ` + t + ` SET lease_until = now() + $4 * interval '1 microsecond' WHERE ` + owned,
+		// The rows are locked before they are deleted, and rows that a claim
+		// holds are skipped: a claim making a new record in place of an
+		// expired one is never undone, nor waited for.
+		deleteSQL: `DELETE FROM ` + t + ` t USING (
+				SELECT scope, key FROM ` + t + ` WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED
+			) doomed WHERE t.scope = doomed.scope AND t.key = doomed.key`,
+		subs:      make(map[string]map[*subscription]struct{}),
+		listening: make(chan struct{}),
+	}
+}
+
+// names are the quoted names of the objects Migrate creates for a table.
+type names struct {
+	Table, Claim, Wake             string // schema-qualified
+	ExpiresIndex, LeaseIndex       string // in the table's schema
+	SettledTrigger, DeletedTrigger string // on the table
+	Channel                        string // a string literal, set by Migrate
+}
+
+func newNames(table string) names {
+	parts := strings.Split(table, ".")
+	schema, base := parts[:len(parts)-1], parts[len(parts)-1]
+	qualified := func(suffix string) string {
+		return pgx.Identifier(append(schema[:len(schema):len(schema)], base+suffix)).Sanitize()
+	}
+	bare := func(suffix string) string { return pgx.Identifier{base + suffix}.Sanitize() }
+	return names{
+		Table:          qualified(""),
+		Claim:          qualified("_claim"),
+		Wake:           qualified("_wake"),
+		ExpiresIndex:   bare("_expires_at_idx"),
+		LeaseIndex:     bare("_lease_until_idx"),
+		SettledTrigger: bare("_settled"),
+		DeletedTrigger: bare("_deleted"),
+	}
+}
+
+// Migrate creates the table, its indexes, and the functions and triggers the
+// Store runs, or brings the functions and triggers up to date. It is safe to
+// run from many instances at once: each runs it in a transaction under an
+// advisory lock named after the table.
+func (s *Store) Migrate(ctx context.Context) error {
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return unavailable("migrate", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	// Concurrent CREATE ... IF NOT EXISTS can still fail on a catalog unique
+	// index, and concurrent CREATE OR REPLACE FUNCTION with "tuple
+	// concurrently updated": the lock makes the migrations take turns.
+	lock := sha256.Sum256([]byte("idempotency-go postgres migrate " + s.opts.Table))
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(binary.BigEndian.Uint64(lock[:8]))); err != nil {
+		return unavailable("migrate", err)
+	}
+	n := newNames(s.opts.Table)
+	channel, err := tx.Conn().PgConn().EscapeString(s.opts.Channel)
+	if err != nil {
+		return unavailable("migrate", err)
+	}
+	n.Channel = "'" + channel + "'"
+	var schema strings.Builder
+	if err := schemaTemplate.Execute(&schema, n); err != nil {
+		return fmt.Errorf("postgres: rendering schema.sql: %w", err)
+	}
+	// Without arguments, pgx sends the script in one simple-protocol query,
+	// which may hold many statements.
+	if _, err := tx.Exec(ctx, schema.String()); err != nil {
+		return unavailable("migrate", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return unavailable("migrate", err)
+	}
+	return nil
+}
+
+// Claim implements idempotency.Store in one round trip.
+func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.Claim, error) {
+	var (
+		state    string
+		c        idempotency.Claim
+		token    int64
+		response []byte
+		leftUS   int64
+	)
+	err := s.pool.QueryRow(ctx, s.claimSQL, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID,
+		req.Lease.Microseconds(), req.Retention.Microseconds(), req.Watch).
+		Scan(&state, &c.OperationID, &c.Attempt, &token, &response, &leftUS)
+	if err != nil {
+		return idempotency.Claim{}, unavailable("claim", err)
+	}
+	switch state {
+	case "owner":
+		c.State, c.Token = idempotency.Owner, uint64(token)
+	case "completed":
+		c.State = idempotency.Completed
+		if err := c.Response.UnmarshalBinary(response); err != nil {
+			return idempotency.Claim{}, unavailable("claim", err)
+		}
+	case "in_flight":
+		c.State, c.LeaseLeft = idempotency.InFlight, time.Duration(leftUS)*time.Microsecond
+	case "mismatch":
+		c.State = idempotency.Mismatch
+	default:
+		return idempotency.Claim{}, unavailable("claim", fmt.Errorf("unknown claim state %q", state))
+	}
+	return c, nil
+}
+
+// Complete implements idempotency.Store.
+func (s *Store) Complete(ctx context.Context, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
+	return s.complete(ctx, s.pool, k, token, resp, retention)
+}
+
+// CompleteTx is Complete inside the caller's transaction tx: the record is
+// completed if and only if tx commits, so that a business write made in tx
+// and the completion are both visible or neither. It is fenced like
+// Complete; on ErrFenced another attempt owns the record, and the caller
+// must roll tx back. The completed record's row stays locked until tx ends,
+// so the owner cannot be taken over in between, and waiters are woken when
+// tx commits.
+func (s *Store) CompleteTx(ctx context.Context, tx pgx.Tx, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
+	return s.complete(ctx, tx, k, token, resp, retention)
+}
+
+// Release implements idempotency.Store.
+func (s *Store) Release(ctx context.Context, k idempotency.Key, token uint64, forget bool) error {
+	if forget {
+		return s.fenced(ctx, s.pool, "release", s.forgetSQL, k, token)
+	}
+	return s.fenced(ctx, s.pool, "release", s.releaseSQL, k, token)
+}
+
+// Heartbeat implements idempotency.Store.
+func (s *Store) Heartbeat(ctx context.Context, k idempotency.Key, token uint64, lease time.Duration) error {
+	return s.fenced(ctx, s.pool, "heartbeat", s.heartbeatSQL, k, token, lease.Microseconds())
+}
+
+// DeleteExpired deletes the records whose retention has run out and returns
+// how many it deleted. Claims already treat them as absent; deleting them
+// only frees the space, so run it on a schedule (every few minutes, say)
+// from one instance or many.
+func (s *Store) DeleteExpired(ctx context.Context) (int64, error) {
+	var total int64
+	for {
+		tag, err := s.pool.Exec(ctx, s.deleteSQL, deleteBatch)
+		if err != nil {
+			return total, unavailable("delete expired", err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < deleteBatch {
+			return total, nil
+		}
+	}
+}
+
+func (s *Store) complete(ctx context.Context, q querier, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
+	b, err := resp.MarshalBinary()
+	if err != nil {
+		return unavailable("complete", err)
+	}
+	return s.fenced(ctx, q, "complete", s.completeSQL, k, token, b, retention.Microseconds())
+}
+
+// querier runs a statement on a pool or in a transaction.
+type querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// fenced runs a statement that changes the record only if token owns it.
+func (s *Store) fenced(ctx context.Context, q querier, op, sql string, k idempotency.Key, token uint64, args ...any) error {
+	// The sequence issues tokens from 1 up to MaxInt64: a token beyond it
+	// turns negative here, matches no row, and so is fenced off.
+	tag, err := q.Exec(ctx, sql, append([]any{k.Scope, k.Name, int64(token)}, args...)...)
+	if err != nil {
+		return unavailable(op, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return idempotency.ErrFenced
+	}
+	return nil
+}
+
+// Subscribe implements idempotency.Store. The Store listens on one
+// connection of its own, taken from the pool at the first Subscribe and kept
+// until Close. Subscribe returns once that connection is listening, so every
+// notification sent afterwards reaches it; if the connection is lost, the
+// Store reconnects and then wakes every subscriber, since what was sent in
+// between is lost.
+func (s *Store) Subscribe(ctx context.Context, k idempotency.Key) (idempotency.Subscription, error) {
+	sub := &subscription{s: s, id: wakeID(k), c: make(chan struct{}, 1)}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, unavailable("subscribe", errClosed)
+	}
+	if s.stop == nil {
+		lctx, stop := context.WithCancel(context.Background())
+		s.stop, s.stopped = stop, make(chan struct{})
+		go s.listen(lctx)
+	}
+	if s.subs[sub.id] == nil {
+		s.subs[sub.id] = make(map[*subscription]struct{})
+	}
+	s.subs[sub.id][sub] = struct{}{}
+	listening, stopped := s.listening, s.stopped
+	s.mu.Unlock()
+
+	select {
+	case <-listening:
+		return sub, nil
+	case <-stopped:
+		sub.Close()
+		return nil, unavailable("subscribe", errClosed)
+	case <-ctx.Done():
+		sub.Close()
+		s.mu.Lock()
+		err := errors.Join(context.Cause(ctx), s.listenErr)
+		s.mu.Unlock()
+		return nil, unavailable("subscribe", err)
+	}
+}
+
+var errClosed = errors.New("store closed")
+
+// Close stops the listener and wakes every subscriber, which then re-read
+// their records. Close it before the pool.
+func (s *Store) Close() {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return
+	}
+	s.closed = true
+	s.wakeAll()
+	stop, stopped := s.stop, s.stopped
+	s.mu.Unlock()
+	if stop != nil {
+		stop()
+		<-stopped
+	}
+}
+
+// listen keeps a connection listening until ctx is done, reconnecting with
+// backoff whenever it is lost.
+func (s *Store) listen(ctx context.Context) {
+	defer close(s.stopped)
+	delay := minReconnectDelay
+	listened := false
+	for {
+		if s.listenOnce(ctx, listened) {
+			listened, delay = true, minReconnectDelay
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, maxReconnectDelay)
+	}
+}
+
+// listenOnce takes a connection, listens on it and dispatches its
+// notifications until it fails. It reports whether it got to listen.
+// reconnect says that an earlier connection listened, and so that
+// notifications may have been lost since.
+func (s *Store) listenOnce(ctx context.Context, reconnect bool) (listened bool) {
+	var conn *pgx.Conn
+	err := func() error {
+		pc, err := s.pool.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		// Hijacked: a connection in LISTEN must not go back to the pool.
+		conn = pc.Hijack()
+		_, err = conn.Exec(ctx, "LISTEN "+pgx.Identifier{s.opts.Channel}.Sanitize())
+		return err
+	}()
+	if conn != nil {
+		defer func() {
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+			defer cancel()
+			_ = conn.Close(cctx)
+		}()
+	}
+	if err != nil {
+		s.lost(err)
+		return false
+	}
+
+	s.mu.Lock()
+	s.up, s.listenErr = true, nil
+	close(s.listening)
+	if reconnect {
+		// Notifications sent while no connection listened are lost: every
+		// subscriber re-reads its record.
+		s.wakeAll()
+	}
+	s.mu.Unlock()
+
+	for {
+		n, err := conn.WaitForNotification(ctx)
+		if n != nil {
+			s.dispatch(n.Payload)
+		}
+		if err != nil {
+			s.lost(err)
+			return true
+		}
+	}
+}
+
+// lost records that the listener has no listening connection.
+func (s *Store) lost(err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.listenErr = err
+	if s.up {
+		s.up, s.listening = false, make(chan struct{})
+	}
+}
+
+func (s *Store) dispatch(id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for sub := range s.subs[id] {
+		sub.wake()
+	}
+}
+
+// wakeAll wakes every subscriber. s.mu must be held.
+func (s *Store) wakeAll() {
+	for _, subs := range s.subs {
+		for sub := range subs {
+			sub.wake()
+		}
+	}
+}
+
+// wakeID names a record in notifications as the trigger in schema.sql does.
+func wakeID(k idempotency.Key) string {
+	sum := sha256.Sum256([]byte(k.Scope + "\x00" + k.Name))
+	return hex.EncodeToString(sum[:16])
+}
+
+type subscription struct {
+	s    *Store
+	id   string
+	c    chan struct{}
+	once sync.Once
+}
+
+func (sub *subscription) C() <-chan struct{} { return sub.c }
+
+func (sub *subscription) wake() {
+	select {
+	case sub.c <- struct{}{}:
+	default: // a wake-up is already pending
+	}
+}
+
+func (sub *subscription) Close() {
+	sub.once.Do(func() {
+		s := sub.s
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		delete(s.subs[sub.id], sub)
+		if len(s.subs[sub.id]) == 0 {
+			delete(s.subs, sub.id)
+		}
+	})
+}
+
+// unavailable wraps a database failure so that it matches
+// idempotency.ErrUnavailable.
+func unavailable(op string, err error) error {
+	return fmt.Errorf("%w: postgres %s: %w", idempotency.ErrUnavailable, op, err)
+}
