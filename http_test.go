@@ -14,8 +14,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-go/idempotency/internal/testserver"
 )
 
 // storeCase is a Store the middleware tests run against.
@@ -29,6 +33,12 @@ type storeCase struct {
 func stores() []storeCase {
 	return []storeCase{
 		{"memory", func(*testing.T) Store { return NewMemoryStore(MemoryOptions{}) }},
+		{"miniredis", func(t *testing.T) Store {
+			c := redis.NewClient(&redis.Options{Addr: miniredis.RunT(t).Addr()})
+			t.Cleanup(func() { c.Close() })
+			return newRedisStore(t, c)
+		}},
+		{"redis-server", func(t *testing.T) Store { return newRedisStore(t, testserver.StartRedis(t).Client()) }},
 	}
 }
 
