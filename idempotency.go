@@ -45,6 +45,9 @@ var (
 	// operation ran is decided by the record, never by guessing: a retry finds
 	// out.
 	ErrUnavailable = errors.New("idempotency: store unavailable")
+	// ErrUnknown is for Options.Recover to return when it cannot yet tell
+	// what became of an abandoned operation.
+	ErrUnknown = errors.New("idempotency: outcome of the abandoned attempt not known yet")
 	// ErrInvalidKey: the idempotency key is empty, longer than MaxKeyLength,
 	// or holds a byte that is not visible ASCII.
 	ErrInvalidKey = errors.New("idempotency: invalid key")
@@ -137,6 +140,22 @@ type Options struct {
 	// MaxWaiters bounds the requests of one Guard waiting at once; past it a
 	// duplicate fails with ErrInFlight at once. Default 10000.
 	MaxWaiters int
+	// Recover, when set, settles an operation whose previous attempt was
+	// abandoned (its owner crashed or stalled past its lease) instead of
+	// running it again blindly. It runs as the record's new owner, fenced
+	// and renewed like an operation, with the record's Info in its context:
+	// typically it asks the downstream service about DownstreamKey.
+	//   - It returns a response: that response is stored and answered, as a
+	//     replay, and the operation does not run.
+	//   - It calls SetDisposition(ctx, Release) and returns no error: the
+	//     operation never happened, and Do runs it now.
+	//   - It returns an error (ErrUnknown when it cannot tell yet): the
+	//     record stays abandoned for a later retry or Sweep, and Do fails
+	//     with ErrInFlight.
+	// Guard.Sweep runs it on abandoned records that no client retries.
+	// Default nil: a retry of an abandoned operation runs it again, with
+	// Info.Abandoned set.
+	Recover func(ctx context.Context) (Response, error)
 }
 
 func (o Options) withDefaults() Options {
@@ -176,7 +195,7 @@ func New(store Store, opts Options) *Guard {
 // was replayed from an earlier attempt rather than produced by this call.
 type Result struct {
 	Response    Response
-	Replayed    bool
+	Replayed    bool // stored earlier, or settled by Options.Recover
 	Disposition Disposition // what was done with the record (Keep for a replay)
 	OperationID string
 }
@@ -284,52 +303,105 @@ func claimErr(c Claim, err error) error {
 	return nil
 }
 
-// run executes fn as the record's owner, renewing the lease while it runs,
-// and settles the record with its outcome.
-func (g *Guard) run(ctx context.Context, k Key, c Claim, fn func(ctx context.Context) (Response, error)) (res Result, err error) {
-	info := &Info{OperationID: c.OperationID, Attempt: c.Attempt, Token: c.Token, Takeover: c.Attempt > 1}
-	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, infoKey{}, info))
-	defer cancel(nil)
-	stop := g.heartbeat(fctx, cancel, k, c.Token)
-
-	settled := false
-	defer func() {
-		if settled {
-			return
+// run executes fn as the record's owner and settles the record with its
+// outcome. An abandoned record goes to Options.Recover first.
+func (g *Guard) run(ctx context.Context, k Key, c Claim, fn func(ctx context.Context) (Response, error)) (Result, error) {
+	if c.Abandoned && g.opts.Recover != nil {
+		resp, d, err := g.recover(ctx, k, c)
+		if err != nil {
+			return Result{}, err
 		}
-		// fn panicked: free the key for a retry, then let the panic go on.
-		stop()
-		_ = g.store.Release(context.WithoutCancel(ctx), k, c.Token, false)
-	}()
-	resp, fnErr := fn(fctx)
-	settled = true
-	lost := stop()
-
-	// Settle even when the caller's context is done: the outcome exists and
-	// must not be lost because the client went away.
-	sctx := context.WithoutCancel(ctx)
-	res = Result{Response: resp, OperationID: c.OperationID}
+		if d == Keep || d == Settled {
+			return Result{Response: resp, Replayed: true, Disposition: d, OperationID: c.OperationID}, nil
+		}
+		// The hook found that the operation never happened: run it now,
+		// still as the owner.
+	}
+	resp, d, fnErr, lost := g.attempt(ctx, k, c, fn, g.release)
 	if fnErr != nil {
-		res.Disposition = Release
-		if err := g.store.Release(sctx, k, c.Token, false); err != nil {
+		if err := g.release(ctx, k, c.Token); err != nil {
 			return Result{}, errors.Join(fnErr, err)
 		}
 		return Result{}, fnErr
 	}
-	res.Disposition = info.disposition()
-	if lost != nil && res.Disposition != Settled {
+	if lost != nil && d != Settled {
 		return Result{}, lost
 	}
-	switch res.Disposition {
-	case Keep:
-		err = g.store.Complete(sctx, k, c.Token, resp, g.opts.Retention)
-	case Release, Forget:
-		err = g.store.Release(sctx, k, c.Token, res.Disposition == Forget)
-	}
-	if err != nil {
+	if err := g.settle(ctx, k, c.Token, resp, d); err != nil {
 		return Result{}, err
 	}
-	return res, nil
+	return Result{Response: resp, Disposition: d, OperationID: c.OperationID}, nil
+}
+
+// recover runs Options.Recover as the owner of an abandoned record and
+// settles the record as it decides. When the hook cannot tell what happened,
+// the record is left abandoned for a later retry or sweep, and the error
+// matches ErrInFlight: the operation may still have happened.
+func (g *Guard) recover(ctx context.Context, k Key, c Claim) (Response, Disposition, error) {
+	resp, d, err, lost := g.attempt(ctx, k, c, g.opts.Recover, g.abandon)
+	if err != nil {
+		if aerr := g.abandon(ctx, k, c.Token); aerr != nil {
+			err = errors.Join(err, aerr)
+		}
+		return Response{}, 0, errors.Join(ErrInFlight, err)
+	}
+	if lost != nil && d != Settled {
+		return Response{}, 0, lost
+	}
+	if d == Keep || d == Settled {
+		if err := g.settle(ctx, k, c.Token, resp, d); err != nil {
+			return Response{}, 0, err
+		}
+	}
+	return resp, d, nil
+}
+
+// attempt runs f as the owner of c under a renewing lease. It returns f's
+// response, the disposition chosen for it, f's error, and why the lease was
+// lost, if it was. Should f panic, onPanic settles the record before the
+// panic goes on.
+func (g *Guard) attempt(ctx context.Context, k Key, c Claim, f func(ctx context.Context) (Response, error),
+	onPanic func(context.Context, Key, uint64) error) (resp Response, d Disposition, err, lost error) {
+	info := &Info{OperationID: c.OperationID, Attempt: c.Attempt, Token: c.Token, Takeover: c.Attempt > 1, Abandoned: c.Abandoned}
+	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, infoKey{}, info))
+	defer cancel(nil)
+	stop := g.heartbeat(fctx, cancel, k, c.Token)
+	returned := false
+	defer func() {
+		if !returned {
+			stop()
+			_ = onPanic(ctx, k, c.Token)
+		}
+	}()
+	resp, err = f(fctx)
+	returned = true
+	lost = stop()
+	return resp, info.disposition(), err, lost
+}
+
+// settle applies an owner's disposition to the record. It runs even when
+// the caller's context is done: the outcome exists and must not be lost
+// because the client went away.
+func (g *Guard) settle(ctx context.Context, k Key, token uint64, resp Response, d Disposition) error {
+	ctx = context.WithoutCancel(ctx)
+	switch d {
+	case Keep:
+		return g.store.Complete(ctx, k, token, resp, g.opts.Retention)
+	case Release, Forget:
+		return g.store.Release(ctx, k, token, d == Forget)
+	}
+	return nil
+}
+
+// release frees the record for a retry that keeps the operation ID.
+func (g *Guard) release(ctx context.Context, k Key, token uint64) error {
+	return g.store.Release(context.WithoutCancel(ctx), k, token, false)
+}
+
+// abandon gives the lease up without settling, so the record stays
+// abandoned: the next claim takes it over and recovers it again.
+func (g *Guard) abandon(ctx context.Context, k Key, token uint64) error {
+	return g.store.Heartbeat(context.WithoutCancel(ctx), k, token, 0)
 }
 
 // heartbeat renews the lease every Lease/3 until stop is called. When the
@@ -393,6 +465,11 @@ type Info struct {
 	// Takeover reports that an earlier attempt did not finish (it crashed,
 	// stalled past its lease, or failed): its side effects may have happened.
 	Takeover bool
+	// Abandoned reports that the previous attempt's lease ran out before it
+	// settled the record (it crashed or stalled), as opposed to failing and
+	// releasing the key: ask the downstream service what became of
+	// DownstreamKey before acting again.
+	Abandoned bool
 
 	mu     sync.Mutex
 	set    bool // SetDisposition was called: the default no longer applies

@@ -84,10 +84,14 @@ func (s *MemoryStore) Claim(_ context.Context, req ClaimRequest) (Claim, error) 
 	case r.state == Owner && r.leaseUntil.After(now):
 		return Claim{State: InFlight, LeaseLeft: r.leaseUntil.Sub(now)}, nil
 	}
+	abandoned := r.state == Owner
 	s.token++
 	r.state, r.token, r.leaseUntil = Owner, s.token, now.Add(req.Lease)
 	r.attempt++
-	return Claim{State: Owner, OperationID: r.operationID, Attempt: r.attempt, Token: r.token}, nil
+	if r.expires.Before(now.Add(req.Retention)) {
+		r.expires = now.Add(req.Retention) // the new owner must not lose the record while it runs
+	}
+	return Claim{State: Owner, OperationID: r.operationID, Attempt: r.attempt, Token: r.token, Abandoned: abandoned}, nil
 }
 
 // Complete implements Store.
@@ -148,6 +152,25 @@ func (s *MemoryStore) Subscribe(_ context.Context, k Key) (Subscription, error) 
 	s.subs[k][sub] = struct{}{}
 	s.mu.Unlock()
 	return sub, nil
+}
+
+// Abandoned implements Store. It scans every record: the memory store is
+// bounded by MaxRecords, and a scan of it is cheap next to a network store's
+// round trip.
+func (s *MemoryStore) Abandoned(_ context.Context, limit int) ([]AbandonedRecord, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.opts.Now()
+	var out []AbandonedRecord
+	for k, r := range s.records {
+		if len(out) == limit {
+			break
+		}
+		if r.state == Owner && !r.leaseUntil.After(now) && r.expires.After(now) {
+			out = append(out, AbandonedRecord{Key: k, Fingerprint: r.fingerprint})
+		}
+	}
+	return out, nil
 }
 
 // Len returns the number of records held, expired ones included until they

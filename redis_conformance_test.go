@@ -1,6 +1,7 @@
 package idempotency_test
 
 import (
+	"sync"
 	"testing"
 	"time"
 
@@ -12,30 +13,60 @@ import (
 	"github.com/idempotency-go/idempotency/internal/testserver"
 )
 
-// The conformance suite on miniredis, whose clock the suite moves: TIME
-// follows SetTime and expiry follows FastForward, so Advance moves both.
-func TestRedisStoreConformanceMiniredis(t *testing.T) {
-	idempotencytest.Run(t, func(t *testing.T) idempotencytest.Harness {
-		m := miniredis.RunT(t)
-		now := time.Date(2030, time.January, 1, 0, 0, 0, 0, time.UTC)
+// harnesses are the stores the Guard-level tests run on: memory and
+// miniredis with clocks the test moves, and a real redis-server in real
+// time.
+func harnesses() map[string]func(t *testing.T) idempotencytest.Harness {
+	return map[string]func(t *testing.T) idempotencytest.Harness{
+		"memory": func(t *testing.T) idempotencytest.Harness {
+			var mu sync.Mutex
+			now := time.Date(2030, time.January, 1, 0, 0, 0, 0, time.UTC)
+			s := idempotency.NewMemoryStore(idempotency.MemoryOptions{Now: func() time.Time {
+				mu.Lock()
+				defer mu.Unlock()
+				return now
+			}})
+			return idempotencytest.Harness{Store: s, Advance: func(d time.Duration) {
+				mu.Lock()
+				now = now.Add(d)
+				mu.Unlock()
+			}}
+		},
+		"miniredis": miniredisHarness,
+		"redis-server": func(t *testing.T) idempotencytest.Harness {
+			return idempotencytest.Harness{Store: redisStore(t, testserver.StartRedis(t).Client())}
+		},
+	}
+}
+
+// miniredisHarness moves miniredis's clock: TIME follows SetTime and expiry
+// follows FastForward, so Advance moves both.
+func miniredisHarness(t *testing.T) idempotencytest.Harness {
+	m := miniredis.RunT(t)
+	now := time.Date(2030, time.January, 1, 0, 0, 0, 0, time.UTC)
+	m.SetTime(now)
+	s := redisStore(t, redis.NewClient(&redis.Options{Addr: m.Addr()}))
+	return idempotencytest.Harness{Store: s, Advance: func(d time.Duration) {
+		now = now.Add(d)
 		m.SetTime(now)
-		c := redis.NewClient(&redis.Options{Addr: m.Addr()})
-		s := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
-		t.Cleanup(func() { s.Close(); c.Close() })
-		return idempotencytest.Harness{Store: s, Advance: func(d time.Duration) {
-			now = now.Add(d)
-			m.SetTime(now)
-			m.FastForward(d)
-		}}
-	})
+		m.FastForward(d)
+	}}
+}
+
+func redisStore(t *testing.T, c redis.UniversalClient) *idempotency.RedisStore {
+	s := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
+	t.Cleanup(func() { s.Close(); c.Close() })
+	return s
+}
+
+func TestRedisStoreConformanceMiniredis(t *testing.T) {
+	idempotencytest.Run(t, miniredisHarness)
 }
 
 // The conformance suite on a real redis-server, in real time, all cases on
 // one server and one store as in production.
 func TestRedisStoreConformance(t *testing.T) {
-	c := testserver.StartRedis(t).Client()
-	s := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
-	t.Cleanup(func() { s.Close() })
+	s := redisStore(t, testserver.StartRedis(t).Client())
 	idempotencytest.Run(t, func(t *testing.T) idempotencytest.Harness {
 		return idempotencytest.Harness{Store: s}
 	})

@@ -21,6 +21,8 @@ var (
 	releaseLua string
 	//go:embed lua/heartbeat.lua
 	heartbeatLua string
+	//go:embed lua/abandoned.lua
+	abandonedLua string
 )
 
 // RedisOptions configures a RedisStore. The zero value of every field is its
@@ -44,6 +46,7 @@ type RedisStore struct {
 	complete *redis.Script
 	release  *redis.Script
 	beat     *redis.Script
+	sweep    *redis.Script
 	waits    *waitHub
 }
 
@@ -64,6 +67,7 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 		complete: redis.NewScript(completeLua),
 		release:  redis.NewScript(releaseLua),
 		beat:     redis.NewScript(heartbeatLua),
+		sweep:    redis.NewScript(abandonedLua),
 		waits:    newWaitHub(c),
 	}
 }
@@ -73,14 +77,41 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 func (s *RedisStore) Close() error { return s.waits.close() }
 
 // buckets is the number of hash tags records are spread over. Records share
-// a tag with their bucket's token sequence, so a claim is one script on one
-// slot; 1024 tags still spread records over every master of a cluster.
+// a tag with their bucket's token sequence and in-flight index, so a claim
+// is one script on one slot; 1024 tags still spread records over every
+// master of a cluster, and a sweep reads 1024 small indexes, whatever the
+// number of records kept.
 const buckets = 1024
 
-// recordKey returns the record's key and its bucket's token sequence key.
-// The scope is length-prefixed, so no (scope, name) pair can be spelled as
-// another.
-func (s *RedisStore) recordKey(k Key) (rec, seq string) {
+// recordKeys returns the record's key, and its bucket's token sequence and
+// in-flight index.
+func (s *RedisStore) recordKeys(k Key) (rec, seq, leases string) {
+	tag := s.bucketTag(bucketOf(k))
+	return tag + recordName(k), tag + "seq", tag + "leases"
+}
+
+// recordName spells k inside a bucket. The scope is length-prefixed, so no
+// (scope, name) pair can be spelled as another, and the spelling parses
+// back (see parseRecordName).
+func recordName(k Key) string {
+	return strconv.Itoa(len(k.Scope)) + ":" + k.Scope + ":" + k.Name
+}
+
+func parseRecordName(s string) (Key, bool) {
+	n, rest, ok := strings.Cut(s, ":")
+	l, err := strconv.Atoi(n)
+	if !ok || err != nil || l < 0 || len(rest) < l+1 || rest[l] != ':' {
+		return Key{}, false
+	}
+	return Key{Scope: rest[:l], Name: rest[l+1:]}, true
+}
+
+// bucketTag is the prefix, hash tag included, of a bucket's keys.
+func (s *RedisStore) bucketTag(b uint32) string {
+	return s.prefix + "{" + strconv.FormatUint(uint64(b), 10) + "}:"
+}
+
+func bucketOf(k Key) uint32 {
 	// FNV-1a: stable across processes and versions. Collisions only share a
 	// bucket; the key itself below is unambiguous.
 	h := uint32(2166136261)
@@ -90,18 +121,17 @@ func (s *RedisStore) recordKey(k Key) (rec, seq string) {
 		}
 		h *= 16777619
 	}
-	tag := s.prefix + "{" + strconv.FormatUint(uint64(h%buckets), 10) + "}:"
-	return tag + strconv.Itoa(len(k.Scope)) + ":" + k.Scope + ":" + k.Name, tag + "seq"
+	return h % buckets
 }
 
 // Claim implements Store.
 func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error) {
-	rec, seq := s.recordKey(req.Key)
+	rec, seq, leases := s.recordKeys(req.Key)
 	watch := "0"
 	if req.Watch {
 		watch = "1"
 	}
-	v, err := s.claim.Run(ctx, s.c, []string{rec, seq},
+	v, err := s.claim.Run(ctx, s.c, []string{rec, seq, leases},
 		req.Fingerprint[:], req.OperationID, req.Lease.Milliseconds(), req.Retention.Milliseconds(), watch).Slice()
 	if err != nil {
 		return Claim{}, unavailable("claim", err)
@@ -129,7 +159,7 @@ func parseClaim(v []any) (Claim, error) {
 		if err := errors.Join(err1, err2); err != nil {
 			return Claim{}, err
 		}
-		return Claim{State: Owner, OperationID: str(1), Attempt: attempt, Token: token}, nil
+		return Claim{State: Owner, OperationID: str(1), Attempt: attempt, Token: token, Abandoned: str(4) == "1"}, nil
 	case "completed":
 		c := Claim{State: Completed, OperationID: str(1)}
 		return c, c.Response.UnmarshalBinary([]byte(str(2)))
@@ -148,37 +178,68 @@ func (s *RedisStore) Complete(ctx context.Context, k Key, token uint64, resp Res
 	if err != nil {
 		return err
 	}
-	rec, _ := s.recordKey(k)
-	return fenced("complete", s.complete.Run(ctx, s.c, []string{rec},
+	rec, _, leases := s.recordKeys(k)
+	return fenced("complete", s.complete.Run(ctx, s.c, []string{rec, leases},
 		strconv.FormatUint(token, 10), body, retention.Milliseconds(), s.publish).Err())
 }
 
 // Release implements Store.
 func (s *RedisStore) Release(ctx context.Context, k Key, token uint64, forget bool) error {
-	rec, _ := s.recordKey(k)
+	rec, _, leases := s.recordKeys(k)
 	f := "0"
 	if forget {
 		f = "1"
 	}
-	return fenced("release", s.release.Run(ctx, s.c, []string{rec},
+	return fenced("release", s.release.Run(ctx, s.c, []string{rec, leases},
 		strconv.FormatUint(token, 10), f, s.publish).Err())
 }
 
 // Heartbeat implements Store.
 func (s *RedisStore) Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error {
-	rec, _ := s.recordKey(k)
-	return fenced("heartbeat", s.beat.Run(ctx, s.c, []string{rec},
+	rec, _, leases := s.recordKeys(k)
+	return fenced("heartbeat", s.beat.Run(ctx, s.c, []string{rec, leases},
 		strconv.FormatUint(token, 10), lease.Milliseconds()).Err())
 }
 
 // Subscribe implements Store: the record's key is also its channel.
 func (s *RedisStore) Subscribe(ctx context.Context, k Key) (Subscription, error) {
-	rec, _ := s.recordKey(k)
+	rec, _, _ := s.recordKeys(k)
 	sub, err := s.waits.subscribe(ctx, rec)
 	if err != nil {
 		return nil, unavailable("subscribe", err)
 	}
 	return sub, nil
+}
+
+// Abandoned implements Store: one script per bucket, all in one pipeline.
+func (s *RedisStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecord, error) {
+	if err := s.sweep.Load(ctx, s.c).Err(); err != nil {
+		return nil, unavailable("abandoned", err)
+	}
+	cmds, err := s.c.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for b := range uint32(buckets) {
+			s.sweep.EvalSha(ctx, p, []string{s.bucketTag(b) + "leases"}, limit)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, unavailable("abandoned", err)
+	}
+	var out []AbandonedRecord
+	for b, cmd := range cmds {
+		v, _ := cmd.(*redis.Cmd).Slice()
+		tag := s.bucketTag(uint32(b))
+		for i := 0; i+1 < len(v) && len(out) < limit; i += 2 {
+			rec, _ := v[i].(string)
+			fp, _ := v[i+1].(string)
+			k, ok := parseRecordName(strings.TrimPrefix(rec, tag))
+			if !ok || len(fp) != len(Fingerprint{}) || !strings.HasPrefix(rec, tag) {
+				return nil, unavailable("abandoned", fmt.Errorf("unexpected entry %q in %sleases", rec, tag))
+			}
+			out = append(out, AbandonedRecord{Key: k, Fingerprint: Fingerprint([]byte(fp))})
+		}
+	}
+	return out, nil
 }
 
 // fenced maps a script's FENCED reply to ErrFenced and any other failure to

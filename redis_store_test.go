@@ -42,14 +42,14 @@ func newRedisStore(t *testing.T, c redis.UniversalClient) *RedisStore {
 
 func TestRedisKeyLayout(t *testing.T) {
 	s := NewRedisStore(nil, RedisOptions{Prefix: "p:"})
-	rec, seq := s.recordKey(Key{Scope: "acct:1", Name: "k}{x"})
+	rec, seq, _ := s.recordKeys(Key{Scope: "acct:1", Name: "k}{x"})
 	tag := rec[:strings.IndexByte(rec, '}')+1]
 	assert.True(t, strings.HasPrefix(rec, "p:{"), rec)
 	assert.True(t, strings.HasPrefix(seq, tag), "record %q and sequence %q must share a hash tag", rec, seq)
 
 	// A scope that ends like a name starts cannot pass for another pair.
-	a, _ := s.recordKey(Key{Scope: "a:1", Name: "b"})
-	b, _ := s.recordKey(Key{Scope: "a", Name: "1:b"})
+	a, _, _ := s.recordKeys(Key{Scope: "a:1", Name: "b"})
+	b, _, _ := s.recordKeys(Key{Scope: "a", Name: "1:b"})
 	assert.NotEqual(t, a, b)
 
 	assert.Panics(t, func() { NewRedisStore(nil, RedisOptions{Prefix: "x{"}) })
@@ -97,7 +97,7 @@ func TestRedisWakeUpIsPublished(t *testing.T) {
 // completion that follows has someone to publish to.
 func waitForWatcher(t *testing.T, c *redis.Client, s *RedisStore, k Key) {
 	t.Helper()
-	rec, _ := s.recordKey(k)
+	rec, _, _ := s.recordKeys(k)
 	require.Eventually(t, func() bool {
 		return c.HExists(context.Background(), rec, "w").Val()
 	}, 10*time.Second, time.Millisecond)
@@ -147,7 +147,7 @@ func TestRedisLargeTokens(t *testing.T) {
 	redisBackends(t, func(t *testing.T, c *redis.Client) {
 		s := newRedisStore(t, c)
 		k := Key{Name: "big"}
-		_, seq := s.recordKey(k)
+		_, seq, _ := s.recordKeys(k)
 		const start = 1_234_567_890_123_456
 		require.NoError(t, c.Set(context.Background(), seq, start, 0).Err())
 		claim, err := s.Claim(context.Background(), ClaimRequest{Key: k, OperationID: "op", Lease: time.Minute, Retention: time.Hour})

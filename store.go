@@ -23,7 +23,8 @@ type Store interface {
 	//     record remembers that someone waits, so that settling it wakes
 	//     them (see Subscribe).
 	//   - in flight under an expired lease, or released: take over: attempt
-	//     + 1, a new token, the same operation ID; State Owner.
+	//     + 1, a new token, the same operation ID; State Owner, and
+	//     Abandoned when the lease had expired.
 	// A new token is greater than every token issued before for the key,
 	// even if the record expired and was made again in between.
 	Claim(ctx context.Context, req ClaimRequest) (Claim, error)
@@ -37,8 +38,14 @@ type Store interface {
 	// for any request.
 	Release(ctx context.Context, k Key, token uint64, forget bool) error
 	// Heartbeat extends the current owner's lease to lease from now, if
-	// token is the current owner's (ErrFenced otherwise).
+	// token is the current owner's (ErrFenced otherwise). A lease of 0
+	// gives the record up unsettled: it stays in flight, abandoned, and the
+	// next claim takes it over.
 	Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error
+	// Abandoned lists up to limit records that are in flight with a lease
+	// that ran out. Its cost grows with the records in flight, not with
+	// all the records kept.
+	Abandoned(ctx context.Context, limit int) ([]AbandonedRecord, error)
 	// Subscribe returns once the caller is certain to be woken by every
 	// Complete or Release of k's record that follows a watching Claim. It
 	// may wake spuriously; the caller re-claims on every wake-up.
@@ -63,6 +70,13 @@ type ClaimRequest struct {
 	Watch       bool          // the caller will wait if the record is in flight
 }
 
+// AbandonedRecord is a record in flight whose owner's lease ran out: what
+// a sweeper needs to claim it.
+type AbandonedRecord struct {
+	Key         Key
+	Fingerprint Fingerprint
+}
+
 // ClaimState is the answer to a claim.
 type ClaimState int
 
@@ -83,6 +97,7 @@ type Claim struct {
 	OperationID string        // Owner, Completed
 	Attempt     int           // Owner: this attempt's number, from 1
 	Token       uint64        // Owner: this attempt's fencing token
+	Abandoned   bool          // Owner: the previous attempt's lease ran out unsettled
 	Response    Response      // Completed
 	LeaseLeft   time.Duration // InFlight: time until the owner's lease runs out
 }

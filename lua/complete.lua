@@ -1,5 +1,5 @@
 -- complete: the owner stores its outcome (see Store.Complete).
--- KEYS[1] the record. ARGV: token, encoded response, retention ms, the
+-- KEYS[1] the record, KEYS[2] its slot's in-flight index. ARGV: token, encoded response, retention ms, the
 -- publish command (PUBLISH, or SPUBLISH on a cluster).
 local rec = KEYS[1]
 local cur = redis.call('HMGET', rec, 's', 't', 'w')
@@ -9,6 +9,7 @@ end
 redis.call('HSET', rec, 's', 'c', 'r', ARGV[2])
 redis.call('HDEL', rec, 't', 'l', 'w')
 redis.call('PEXPIRE', rec, ARGV[3])
+redis.call('ZREM', KEYS[2], rec)
 -- Only a registered waiter costs a publish: the happy path pays nothing.
 if cur[3] then
   redis.call(ARGV[4], rec, 'c')
