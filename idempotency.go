@@ -195,7 +195,7 @@ func New(store Store, opts Options) *Guard {
 // was replayed from an earlier attempt rather than produced by this call.
 type Result struct {
 	Response    Response
-	Replayed    bool // stored earlier, or settled by Options.Recover
+	Replayed    bool        // stored earlier, or settled by Options.Recover
 	Disposition Disposition // what was done with the record (Keep for a replay)
 	OperationID string
 }
