@@ -1,0 +1,219 @@
+package idempotency
+
+import (
+	"bytes"
+	"encoding/json"
+	"math/rand/v2"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/gowebpki/jcs"
+	"github.com/stretchr/testify/assert"
+)
+
+func jsonRequest(method, path, body string) ([]byte, Fingerprint) {
+	r := httptest.NewRequest(method, path, strings.NewReader(body))
+	r.Header.Set("Content-Type", "application/json")
+	return []byte(body), requestFingerprint(r, []byte(body), nil)
+}
+
+func TestFingerprintCanonicalJSON(t *testing.T) {
+	same := []string{
+		`{"amount":4200,"currency":"usd","source":"tok_visa"}`,
+		`{"source":"tok_visa","currency":"usd","amount":4200}`,
+		"{\n  \"amount\" : 4200 ,\n\t\"currency\": \"usd\", \"source\":\"tok_visa\"\n}\n",
+		`{"amount":4.2e3,"currency":"usd","source":"tok_visa"}`,
+		`{"amount":4200.0,"currency":"\u0075sd","source":"tok_visa"}`,
+	}
+	_, want := jsonRequest("POST", "/v1/charges", same[0])
+	for _, body := range same[1:] {
+		_, got := jsonRequest("POST", "/v1/charges", body)
+		assert.Equal(t, want, got, "%s", body)
+	}
+
+	differ := []string{
+		`{"amount":4201,"currency":"usd","source":"tok_visa"}`,
+		`{"amount":"4200","currency":"usd","source":"tok_visa"}`,
+		`{"amount":4200,"currency":"USD","source":"tok_visa"}`,
+		`{"amount":4200,"currency":"usd"}`,
+		`{"amount":4200,"currency":"usd","source":"tok_visa","extra":null}`,
+		`[{"amount":4200,"currency":"usd","source":"tok_visa"}]`,
+	}
+	for _, body := range differ {
+		_, got := jsonRequest("POST", "/v1/charges", body)
+		assert.NotEqual(t, want, got, "%s", body)
+	}
+	// Method and path are part of the request too.
+	_, other := jsonRequest("PATCH", "/v1/charges", same[0])
+	assert.NotEqual(t, want, other)
+	_, other = jsonRequest("POST", "/v1/refunds", same[0])
+	assert.NotEqual(t, want, other)
+}
+
+func TestFingerprintRawBodies(t *testing.T) {
+	fp := func(contentType, body string) Fingerprint {
+		r := httptest.NewRequest("POST", "/x", strings.NewReader(body))
+		if contentType != "" {
+			r.Header.Set("Content-Type", contentType)
+		}
+		return requestFingerprint(r, []byte(body), nil)
+	}
+	// Only a JSON content type canonicalises; anything else counts byte
+	// for byte, and so does JSON that does not parse.
+	assert.NotEqual(t, fp("text/plain", `{"a":1,"b":2}`), fp("text/plain", `{"b":2,"a":1}`))
+	assert.Equal(t, fp("application/merge-patch+json", `{"a":1,"b":2}`), fp("application/merge-patch+json; charset=utf-8", `{"b":2, "a":1}`))
+	assert.NotEqual(t, fp("application/json", `{"a":1,`), fp("application/json", `{"a":1, `))
+	assert.Equal(t, fp("application/json", `{"a":1,`), fp("application/json", `{"a":1,`))
+	// A raw body can never pass for the canonical form of another.
+	assert.NotEqual(t, fp("text/plain", `{"a":1}`), fp("application/json", `{"a":1}`))
+}
+
+func TestFingerprintHeaders(t *testing.T) {
+	fp := func(names []string, kv ...string) Fingerprint {
+		r := httptest.NewRequest("POST", "/x", nil)
+		for i := 0; i < len(kv); i += 2 {
+			r.Header.Add(kv[i], kv[i+1])
+		}
+		return requestFingerprint(r, nil, names)
+	}
+	// Headers count only when named; per-attempt ones never should be.
+	assert.Equal(t, fp(nil, "X-Request-Id", "1"), fp(nil, "X-Request-Id", "2"))
+	assert.NotEqual(t, fp([]string{"x-currency"}, "X-Currency", "usd"), fp([]string{"x-currency"}, "X-Currency", "eur"))
+	assert.NotEqual(t, fp([]string{"A"}, "A", "1", "A", "2"), fp([]string{"A"}, "A", "12"))
+	assert.NotEqual(t, fp([]string{"A"}), fp([]string{"A"}, "A", ""))
+}
+
+func TestFingerprintOf(t *testing.T) {
+	assert.Equal(t, FingerprintOf("charge", []byte(`{"b":1,"a":[1,2]}`)), FingerprintOf("charge", []byte(` {"a":[1, 2.0],"b":1e0}`)))
+	assert.NotEqual(t, FingerprintOf("charge", []byte(`{"a":1}`)), FingerprintOf("refund", []byte(`{"a":1}`)))
+	// Length prefixes keep the fields apart.
+	assert.NotEqual(t, FingerprintOf("ab", []byte("c")), FingerprintOf("a", []byte("bc")))
+}
+
+// FuzzFingerprintJSON checks the canonicaliser through the fingerprint:
+// re-encoding a JSON value with its object members in another order, other
+// whitespace and other number spellings never changes the fingerprint, and
+// changing a value always does.
+func FuzzFingerprintJSON(f *testing.F) {
+	for _, seed := range []string{
+		`{"amount":4200,"currency":"usd","source":"tok_visa"}`,
+		`{"a":[1,2,{"b":null,"c":true}],"d":"\u00e9\ud83d\ude00","e":-0.5e-3}`,
+		`[1e21,1e-7,123456789012345680000,0.1,-0]`,
+		`"x"`, `null`, `{}`, `[]`,
+	} {
+		f.Add([]byte(seed), uint64(1))
+	}
+	f.Fuzz(func(t *testing.T, body []byte, seed uint64) {
+		var v any
+		d := json.NewDecoder(bytes.NewReader(body))
+		d.UseNumber()
+		if d.Decode(&v) != nil || d.More() {
+			return
+		}
+		if _, err := jcs.Transform(body); err != nil {
+			return // not canonicalisable (duplicate names, invalid UTF-8, ±Inf): hashed raw by design
+		}
+		want := FingerprintOf("op", body)
+		rng := rand.New(rand.NewPCG(seed, seed))
+		again := reencode(v, rng)
+		assert.Equal(t, want, FingerprintOf("op", again), "%s\nre-encoded as\n%s", body, again)
+		if changed, ok := change(v); ok {
+			b, _ := json.Marshal(changed)
+			assert.NotEqual(t, want, FingerprintOf("op", b), "%s\nchanged to\n%s", body, b)
+		}
+	})
+}
+
+// reencode writes v as JSON with object members shuffled, random
+// whitespace, and integers in exponent form where that is exact.
+func reencode(v any, rng *rand.Rand) []byte {
+	var b bytes.Buffer
+	ws := func() {
+		b.WriteString([]string{"", " ", "\n", "\t ", "  \r\n"}[rng.IntN(5)])
+	}
+	var enc func(v any)
+	enc = func(v any) {
+		ws()
+		switch v := v.(type) {
+		case map[string]any:
+			keys := make([]string, 0, len(v))
+			for k := range v {
+				keys = append(keys, k)
+			}
+			rng.Shuffle(len(keys), func(i, j int) { keys[i], keys[j] = keys[j], keys[i] })
+			b.WriteByte('{')
+			for i, k := range keys {
+				if i > 0 {
+					b.WriteByte(',')
+				}
+				ws()
+				kb, _ := json.Marshal(k)
+				b.Write(kb)
+				ws()
+				b.WriteByte(':')
+				enc(v[k])
+			}
+			ws()
+			b.WriteByte('}')
+		case []any:
+			b.WriteByte('[')
+			for i, e := range v {
+				if i > 0 {
+					b.WriteByte(',')
+				}
+				enc(e)
+			}
+			ws()
+			b.WriteByte(']')
+		case json.Number:
+			s := v.String()
+			if n, err := v.Int64(); err == nil && n != 0 && n%100 == 0 && n > -1e15 && n < 1e15 {
+				s = json.Number(strings.TrimSuffix(s, "00") + "e2").String()
+			}
+			b.WriteString(s)
+		default:
+			vb, _ := json.Marshal(v)
+			b.Write(vb)
+		}
+		ws()
+	}
+	enc(v)
+	return b.Bytes()
+}
+
+// change returns v with one scalar replaced by a different one.
+func change(v any) (any, bool) {
+	switch v := v.(type) {
+	case map[string]any:
+		for k, e := range v {
+			if c, ok := change(e); ok {
+				out := make(map[string]any, len(v))
+				for k2, e2 := range v {
+					out[k2] = e2
+				}
+				out[k] = c
+				return out, true
+			}
+		}
+		return nil, false
+	case []any:
+		for i, e := range v {
+			if c, ok := change(e); ok {
+				out := append([]any(nil), v...)
+				out[i] = c
+				return out, true
+			}
+		}
+		return nil, false
+	case string:
+		return v + "x", true
+	case bool:
+		return !v, true
+	case nil:
+		return false, true
+	case json.Number:
+		return "n" + v.String(), true
+	}
+	return nil, false
+}
