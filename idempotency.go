@@ -269,11 +269,10 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error)
 	defer recheck.Stop()
 	req.Watch = true
 	for {
-		c, err = g.store.Claim(wctx, req)
+		// Not wctx: a claim cut short by the wait's deadline might still
+		// take the record on the server, leaving an owner nobody knows of.
+		c, err = g.store.Claim(ctx, req)
 		if err != nil {
-			if wctx.Err() != nil && ctx.Err() == nil {
-				return c, ErrInFlight
-			}
 			// The original is known to be running: whatever else failed,
 			// this request must not be run beside it (say, by failing open).
 			return c, errors.Join(ErrInFlight, err)

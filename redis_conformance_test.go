@@ -71,3 +71,8 @@ func TestRedisStoreConformance(t *testing.T) {
 		return idempotencytest.Harness{Store: s}
 	})
 }
+
+// Moving a service from the memory store to Redis without a gap.
+func TestMigrationToRedis(t *testing.T) {
+	idempotencytest.RunMigration(t, idempotency.NewMemoryStore(idempotency.MemoryOptions{}), miniredisHarness(t).Store)
+}

@@ -1,0 +1,212 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+)
+
+// MigrationOptions configures a MigratingStore. The zero value of every
+// field is its documented default.
+type MigrationOptions struct {
+	// DualWrite also claims and settles every new record in the old store.
+	// Turn it on while instances that use only the old store still serve
+	// traffic (a rolling deploy): they then see the new records too, as in
+	// flight and then completed, and never run an operation a second time.
+	// Default false: the old store is only consulted.
+	DualWrite bool
+}
+
+// MigratingStore moves a service from one store to another without a gap:
+// claims go to the new store, but a key the old store already holds is
+// honoured as it is there (replayed, mismatched, waited for, or taken over
+// with its operation ID) instead of run again. Use it until the old store's
+// retention window has run out, then use the new store alone; the README
+// gives the whole procedure.
+//
+// A claim that is fresh in the new store costs a claim in the old store as
+// well; one the new store can answer costs nothing more. Abandoned lists the
+// new store's records only: sweep the old store with a Guard of its own.
+type MigratingStore struct {
+	old, new Store
+	opts     MigrationOptions
+
+	mu   sync.Mutex
+	dual map[ownerRef]uint64 // DualWrite: the old store's token of each record owned here
+}
+
+type ownerRef struct {
+	k     Key
+	token uint64 // the new store's token
+}
+
+// NewMigratingStore returns a store that moves records from old to new.
+func NewMigratingStore(old, new Store, o MigrationOptions) *MigratingStore {
+	return &MigratingStore{old: old, new: new, opts: o, dual: make(map[ownerRef]uint64)}
+}
+
+// Claim implements Store.
+func (m *MigratingStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error) {
+	c, err := m.new.Claim(ctx, req)
+	if err != nil || c.State != Owner {
+		return c, err // the new store has the answer
+	}
+	// This caller now holds the key in the new store, so no other claim of
+	// it gets this far: ask the old store, which may know the key from
+	// before the migration. A takeover asks too, in case the record was
+	// left in the new store half-way through an earlier step.
+	fresh := c.Attempt == 1 && c.OperationID == req.OperationID
+	// Whatever this claim ends with, the record it took in the new store
+	// must not stay taken: undo even when ctx is done.
+	undo := context.WithoutCancel(ctx)
+	giveBack := func() error { return m.new.Release(undo, req.Key, c.Token, fresh) }
+	asOld := req
+	asOld.OperationID = c.OperationID
+	o, err := m.old.Claim(ctx, asOld)
+	if err != nil {
+		return Claim{}, errors.Join(err, giveBack())
+	}
+	switch {
+	case o.State == Completed:
+		// Bring the outcome over; from now on the new store answers.
+		if err := m.new.Complete(undo, req.Key, c.Token, o.Response, req.Retention); err != nil {
+			return Claim{}, err
+		}
+		return o, nil
+	case o.State != Owner:
+		// In flight or mismatched in the old store: that answer stands.
+		return o, giveBack()
+	case o.OperationID != c.OperationID:
+		// The old store's attempt was released or abandoned: carry its
+		// operation ID over, so that its downstream keys stay the same.
+		if err := m.new.Release(undo, req.Key, c.Token, true); err != nil {
+			return Claim{}, errors.Join(err, m.old.Release(undo, req.Key, o.Token, false))
+		}
+		moved := req
+		moved.OperationID = o.OperationID
+		if c, err = m.new.Claim(ctx, moved); err != nil || c.State != Owner {
+			return c, errors.Join(err, m.old.Release(undo, req.Key, o.Token, false))
+		}
+	}
+	if o.Attempt > c.Attempt {
+		c.Attempt = o.Attempt
+	}
+	c.Abandoned = c.Abandoned || o.Abandoned
+	if m.opts.DualWrite {
+		m.remember(req.Key, c.Token, o.Token)
+		return c, nil
+	}
+	// Leave the old store as it was: without the record, or released.
+	return c, m.old.Release(undo, req.Key, o.Token, o.Attempt == 1)
+}
+
+func (m *MigratingStore) remember(k Key, token, old uint64) {
+	m.mu.Lock()
+	m.dual[ownerRef{k, token}] = old
+	m.mu.Unlock()
+}
+
+// oldToken returns the old store's token for an owner, if it holds one;
+// with done, it is forgotten.
+func (m *MigratingStore) oldToken(k Key, token uint64, done bool) (uint64, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	t, ok := m.dual[ownerRef{k, token}]
+	if done {
+		delete(m.dual, ownerRef{k, token})
+	}
+	return t, ok
+}
+
+// Complete implements Store.
+func (m *MigratingStore) Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
+	if err := m.new.Complete(ctx, k, token, resp, retention); err != nil {
+		return err
+	}
+	if old, ok := m.oldToken(k, token, true); ok {
+		return m.old.Complete(ctx, k, old, resp, retention)
+	}
+	return nil
+}
+
+// Release implements Store.
+func (m *MigratingStore) Release(ctx context.Context, k Key, token uint64, forget bool) error {
+	if err := m.new.Release(ctx, k, token, forget); err != nil {
+		return err
+	}
+	if old, ok := m.oldToken(k, token, true); ok {
+		return m.old.Release(ctx, k, old, forget)
+	}
+	return nil
+}
+
+// Heartbeat implements Store.
+func (m *MigratingStore) Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error {
+	if err := m.new.Heartbeat(ctx, k, token, lease); err != nil {
+		if errors.Is(err, ErrFenced) {
+			m.oldToken(k, token, true)
+		}
+		return err
+	}
+	if old, ok := m.oldToken(k, token, false); ok {
+		return m.old.Heartbeat(ctx, k, old, lease)
+	}
+	return nil
+}
+
+// Abandoned implements Store, for the new store's records.
+func (m *MigratingStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecord, error) {
+	return m.new.Abandoned(ctx, limit)
+}
+
+// Subscribe implements Store: the record may be settled in either store.
+func (m *MigratingStore) Subscribe(ctx context.Context, k Key) (Subscription, error) {
+	n, err := m.new.Subscribe(ctx, k)
+	if err != nil {
+		return nil, err
+	}
+	o, err := m.old.Subscribe(ctx, k)
+	if err != nil {
+		n.Close()
+		return nil, err
+	}
+	s := &bothSub{subs: [2]Subscription{n, o}, c: make(chan struct{}, 1), done: make(chan struct{})}
+	for _, sub := range s.subs {
+		s.wg.Go(func() {
+			for {
+				select {
+				case <-sub.C():
+					select {
+					case s.c <- struct{}{}:
+					default:
+					}
+				case <-s.done:
+					return
+				}
+			}
+		})
+	}
+	return s, nil
+}
+
+// bothSub merges the wake-ups of two subscriptions.
+type bothSub struct {
+	subs [2]Subscription
+	c    chan struct{}
+	done chan struct{}
+	wg   sync.WaitGroup
+	once sync.Once
+}
+
+func (s *bothSub) C() <-chan struct{} { return s.c }
+
+func (s *bothSub) Close() {
+	s.once.Do(func() {
+		close(s.done)
+		s.wg.Wait()
+		for _, sub := range s.subs {
+			sub.Close()
+		}
+	})
+}
