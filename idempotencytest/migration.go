@@ -106,45 +106,55 @@ func migrationHonoursOld(t *testing.T, old, new idempotency.Store) {
 	assert.Equal(t, "retried", string(r.Response.Body))
 }
 
-// migrationNewKeys sends the same new keys at once through instances on
-// the old store alone and instances on the migrating store (with DualWrite,
-// as during a rolling deploy) or through migrating instances only: each
-// operation runs once, and its record lands where it should.
+// migrationNewKeys sends the same new keys through instances on the
+// migrating store and, with DualWrite (as during a rolling deploy), through
+// instances still on the old store alone, the latter arriving while the
+// operation runs on a migrating instance: each operation runs once, and its
+// record lands where it should.
 func migrationNewKeys(t *testing.T, old, new idempotency.Store, dual bool) {
 	ctx := context.Background()
 	fp := idempotency.FingerprintOf("charge", nil)
 	migrating := idempotency.New(idempotency.NewMigratingStore(old, new, idempotency.MigrationOptions{DualWrite: dual}),
 		idempotency.Options{RecheckInterval: 20 * time.Millisecond})
 	oldOnly := idempotency.New(old, idempotency.Options{RecheckInterval: 20 * time.Millisecond})
-	const keys, callers = 10, 8
-	runs := make([]atomic.Int32, keys)
-	var wg sync.WaitGroup
+	const keys, callers = 5, 4
 	for i := range keys {
 		k := idempotency.Key{Scope: t.Name(), Name: fmt.Sprintf("new-%d-%d", i, rand.Uint64())}
-		for j := range callers {
-			g := migrating
-			if dual && j%2 == 1 {
-				g = oldOnly
-			}
+		var runs atomic.Int32
+		running, proceed := make(chan struct{}), make(chan struct{})
+		var once sync.Once
+		fn := func(context.Context) (idempotency.Response, error) {
+			runs.Add(1)
+			once.Do(func() { close(running) })
+			<-proceed
+			return idempotency.Response{Status: 201, Body: []byte(k.Name)}, nil
+		}
+		var wg sync.WaitGroup
+		call := func(g *idempotency.Guard) {
 			wg.Go(func() {
-				r, err := g.Do(ctx, k, fp, func(context.Context) (idempotency.Response, error) {
-					runs[i].Add(1)
-					time.Sleep(20 * time.Millisecond)
-					return idempotency.Response{Status: 201, Body: []byte(k.Name)}, nil
-				})
+				r, err := g.Do(ctx, k, fp, fn)
 				if assert.NoError(t, err) {
 					assert.Equal(t, k.Name, string(r.Response.Body))
 				}
 			})
 		}
+		for range callers {
+			call(migrating)
+		}
+		<-running
+		if dual {
+			for range callers {
+				call(oldOnly)
+			}
+		}
+		time.Sleep(50 * time.Millisecond) // let the late callers reach their stores
+		close(proceed)
 		wg.Wait()
-		assert.Equal(t, int32(1), runs[i].Load(), "key %d ran %d times", i, runs[i].Load())
+		assert.Equal(t, int32(1), runs.Load(), "key %d ran %d times", i, runs.Load())
 
 		c, err := new.Claim(ctx, idempotency.ClaimRequest{Key: k, Fingerprint: fp, OperationID: "x", Lease: time.Minute, Retention: time.Hour})
 		require.NoError(t, err)
-		if !dual {
-			assert.Equal(t, idempotency.Completed, c.State, "a new key lands in the new store")
-		}
+		assert.Equal(t, idempotency.Completed, c.State, "a new key lands in the new store")
 		o, err := old.Claim(ctx, idempotency.ClaimRequest{Key: k, Fingerprint: fp, OperationID: "x", Lease: time.Minute, Retention: time.Hour})
 		require.NoError(t, err)
 		if dual {
