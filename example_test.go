@@ -1,11 +1,14 @@
 package idempotency_test
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"time"
 
 	"github.com/idempotency-go/idempotency"
 )
@@ -57,4 +60,65 @@ func ExampleGuard_Middleware() {
 	// 201 replayed="true" application/json {"charge":1}
 	// 422 replayed="" application/problem+json {"type":"https://pkg.go.dev/github.com/idempotency-go/idempotency#ErrMismatch","title":"Idempotency-Key reused","status":422,"detail":"This Idempotency-Key was used before with a different request."}
 	// charges: 1
+}
+
+func ExampleGuard_Do() {
+	guard := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
+	ctx := context.Background()
+
+	// A queue consumer: the message id is the key, its payload the request.
+	consume := func(id string, payload []byte) {
+		res, err := guard.Do(ctx, idempotency.Key{Scope: "acct_1", Name: id}, idempotency.FingerprintOf("charge", payload),
+			func(ctx context.Context) (idempotency.Response, error) {
+				info, _ := idempotency.FromContext(ctx)
+				fmt.Println("charging, attempt", info.Attempt)
+				return idempotency.Response{Status: 201, Body: []byte(`{"charge":"ch_1"}`)}, nil
+			})
+		switch {
+		case errors.Is(err, idempotency.ErrMismatch):
+			fmt.Println("rejected: the id was used for another payload")
+		case err != nil:
+			fmt.Println("error:", err)
+		default:
+			fmt.Printf("%d %s replayed=%v\n", res.Response.Status, res.Response.Body, res.Replayed)
+		}
+	}
+	consume("msg-1", []byte(`{"amount":100,"currency":"usd"}`))
+	consume("msg-1", []byte(`{"currency":"usd","amount":100}`)) // redelivered
+	consume("msg-1", []byte(`{"amount":999,"currency":"usd"}`))
+	// Output:
+	// charging, attempt 1
+	// 201 {"charge":"ch_1"} replayed=false
+	// 201 {"charge":"ch_1"} replayed=true
+	// rejected: the id was used for another payload
+}
+
+func ExampleGuard_Sweep() {
+	// charged stands for asking the payment provider about a key.
+	charged := func(downstreamKey string) bool { return downstreamKey != "" }
+	store := idempotency.NewMemoryStore(idempotency.MemoryOptions{})
+	guard := idempotency.New(store, idempotency.Options{
+		Lease: 50 * time.Millisecond,
+		// Ask the provider what became of an operation whose owner died.
+		Recover: func(ctx context.Context) (idempotency.Response, error) {
+			if charged(idempotency.DownstreamKey(ctx, "gateway")) {
+				return idempotency.Response{Status: 201, Body: []byte(`{"charge":"ch_1"}`)}, nil
+			}
+			idempotency.SetDisposition(ctx, idempotency.Release) // never charged: let a retry run it
+			return idempotency.Response{}, nil
+		},
+	})
+	// An owner that dies after charging, before storing its response.
+	_, _ = store.Claim(context.Background(), idempotency.ClaimRequest{Key: idempotency.Key{Name: "k"},
+		OperationID: "op_1", Lease: 50 * time.Millisecond, Retention: time.Hour})
+	time.Sleep(100 * time.Millisecond)
+
+	// In production: a goroutine calling Sweep every few leases.
+	settled, err := guard.Sweep(context.Background(), 100)
+	fmt.Println("settled", settled, err)
+	res, _ := guard.Do(context.Background(), idempotency.Key{Name: "k"}, idempotency.Fingerprint{}, nil)
+	fmt.Printf("%d %s replayed=%v\n", res.Response.Status, res.Response.Body, res.Replayed)
+	// Output:
+	// settled 1 <nil>
+	// 201 {"charge":"ch_1"} replayed=true
 }
