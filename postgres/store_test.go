@@ -309,9 +309,10 @@ func testDeleteExpired(t *testing.T, f *fixture) {
 	require.NoError(t, s.Release(ctx, key(live[2]), c.Token, false))
 
 	// Expiring in each state: retention runs out on the database's clock.
+	// Long enough for the release below to find its record still there.
 	brief := func(name string) idempotency.ClaimRequest {
 		r := request(name, longLease)
-		r.Retention = time.Millisecond
+		r.Retention = 250 * time.Millisecond
 		return r
 	}
 	claim(t, s, brief("expired_in_progress"))
@@ -324,7 +325,7 @@ func testDeleteExpired(t *testing.T, f *fixture) {
 	_, err := f.pool.Exec(ctx, `INSERT INTO `+o.Table+` (scope, key, fingerprint, state, attempt, operation_id, lease_until, expires_at)
 		SELECT 'bulk', 'k' || i, '\x00', 'released', 1, 'op', now(), now() - interval '1 hour' FROM generate_series(1, $1) i`, bulk)
 	require.NoError(t, err)
-	time.Sleep(50 * time.Millisecond) // the 1ms retentions run out
+	time.Sleep(300 * time.Millisecond) // the short retentions run out
 
 	n, err := s.DeleteExpired(ctx)
 	require.NoError(t, err)
