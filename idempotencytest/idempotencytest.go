@@ -1,7 +1,8 @@
 // Package idempotencytest is the conformance suite that every
 // idempotency.Store passes. It checks the record's state machine (see the
 // Store interface): claims, takeovers, fencing, retention, wake-ups, the
-// atomicity of concurrent claims, and the Guard running on top of the store.
+// atomicity of concurrent claims, abandoned records and their listing, and
+// the Guard running on top of the store.
 //
 // A store's test calls Run:
 //
@@ -19,6 +20,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -38,7 +40,7 @@ type Harness struct {
 	// SetTime, which TIME follows, and FastForward, which expires keys). The
 	// suite calls it from the case's goroutine, between store calls, never
 	// while cases run in parallel. Nil: the suite waits in real time, with
-	// leases of 300ms, about 2.5s in all.
+	// leases of 300ms, about 3.5s in all.
 	Advance func(d time.Duration)
 }
 
@@ -69,6 +71,9 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"ConcurrentClaims", concurrentClaims},
 		{"Guard", guard},
 		{"KeysAndScopes", keysAndScopes},
+		{"AbandonedTakeover", abandonedTakeover},
+		{"GiveUpLease", giveUpLease},
+		{"AbandonedListing", abandonedListing},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -82,6 +87,9 @@ const (
 	longRetention = time.Hour   // a retention that never runs out during a case
 	wakeTimeout   = 5 * time.Second
 	claimers      = 50 // goroutines that race for one record
+	// listAll is a limit for Abandoned above every record a shared store
+	// holds for the suite, so that a case sees all of its own.
+	listAll = 100000
 )
 
 // env is one case's view of the store under test.
@@ -161,6 +169,35 @@ func (e *env) requireOwner(c idempotency.Claim, attempt int, opID, what string) 
 	require.Equal(e.t, attempt, c.Attempt, "%s: attempt", what)
 	require.Equal(e.t, opID, c.OperationID, "%s: operation ID", what)
 	require.NotZero(e.t, c.Token, "%s: token", what)
+	if attempt == 1 {
+		require.False(e.t, c.Abandoned, "%s: Abandoned, for a claim that made the record", what)
+	}
+}
+
+// requireAbandoned asserts whether an owner's claim took over a record whose
+// previous attempt was abandoned.
+func (e *env) requireAbandoned(c idempotency.Claim, abandoned bool, what string) {
+	e.t.Helper()
+	require.Equal(e.t, abandoned, c.Abandoned, "%s: Abandoned (claim: %s)", what, describe(c))
+}
+
+// listed returns the records of keys that Abandoned lists, with their
+// fingerprints. The store may hold other cases' abandoned records, so it
+// asks for every record and leaves the others' out.
+func (e *env) listed(keys ...idempotency.Key) map[idempotency.Key]idempotency.Fingerprint {
+	e.t.Helper()
+	list, err := e.store.Abandoned(e.ctx, listAll)
+	require.NoError(e.t, err, "Abandoned(%d)", listAll)
+	got := make(map[idempotency.Key]idempotency.Fingerprint)
+	for _, a := range list {
+		if !slices.Contains(keys, a.Key) {
+			continue
+		}
+		_, twice := got[a.Key]
+		require.False(e.t, twice, "Abandoned(%d) listed %q twice", listAll, a.Key)
+		got[a.Key] = a.Fingerprint
+	}
+	return got
 }
 
 func (e *env) requireState(want idempotency.ClaimState, c idempotency.Claim, what string) {
@@ -245,14 +282,21 @@ func (e *env) awaitSettled(sub idempotency.Subscription, req idempotency.ClaimRe
 	}
 }
 
-// claimAll sends every claim at once, one goroutine each, and returns the
-// answers in the order of reqs.
-func (e *env) claimAll(reqs []idempotency.ClaimRequest) []idempotency.Claim {
+// claimAll sends every claim at once, one goroutine each, with every
+// function of alongside in a goroutine of its own, and returns the answers
+// in the order of reqs once all are done.
+func (e *env) claimAll(reqs []idempotency.ClaimRequest, alongside ...func()) []idempotency.Claim {
 	e.t.Helper()
 	start := make(chan struct{})
 	cs := make([]idempotency.Claim, len(reqs))
 	errs := make([]error, len(reqs))
 	var wg sync.WaitGroup
+	for _, f := range alongside {
+		wg.Go(func() {
+			<-start
+			f()
+		})
+	}
 	for i, req := range reqs {
 		wg.Go(func() {
 			<-start
@@ -894,4 +938,168 @@ func keysAndScopes(e *env) {
 	for i, k := range keys {
 		e.requireReplay(request(k, reqs[i].Fingerprint), reqs[i].OperationID, responses[i], fmt.Sprintf("replay of key %d %q", i, k))
 	}
+}
+
+// 14. A claim that takes a record over says whether the previous attempt
+// was abandoned, its lease run out unsettled, rather than released; a claim
+// that makes a record, even in place of a forgotten or expired one, never
+// does. When the late owner releases while claims race to take over, the
+// winner's answer agrees with whichever came first.
+func abandonedTakeover(e *env) {
+	fp := fingerprint("a")
+	short := func(label string) (idempotency.ClaimRequest, idempotency.Claim) {
+		req := request(e.key(label), fp)
+		req.Lease = e.lease
+		return req, e.own(req, 1, req.OperationID, "first claim, with a short lease")
+	}
+	expired, _ := short("expired")
+	released, releasedOwner := short("released")
+	e.release(released.Key, releasedOwner.Token, false, "the owner of the record to release")
+	forgotten, forgottenOwner := short("forgotten")
+	e.release(forgotten.Key, forgottenOwner.Token, true, "the owner of the record to forget")
+	gone := request(e.key("gone"), fp)
+	gone.Lease, gone.Retention = e.lease, e.lease
+	e.own(gone, 1, gone.OperationID, "first claim, with a short lease and retention")
+	type raced struct {
+		req   idempotency.ClaimRequest
+		owner idempotency.Claim
+	}
+	races := make([]raced, 4)
+	for i := range races {
+		races[i].req, races[i].owner = short("release-race")
+	}
+	e.wait(e.past)
+
+	c := e.own(request(expired.Key, fp), 2, expired.OperationID, "claim after the lease ran out")
+	e.requireAbandoned(c, true, "claim after the lease ran out")
+	e.release(expired.Key, c.Token, false, "the owner that took the abandoned record over")
+	c = e.own(request(expired.Key, fp), 3, expired.OperationID, "claim after the takeover's release")
+	e.requireAbandoned(c, false, "claim after the takeover's release")
+
+	c = e.own(request(released.Key, fp), 2, released.OperationID, "claim after release, its lease run out since")
+	e.requireAbandoned(c, false, "claim after release, its lease run out since")
+
+	again := request(forgotten.Key, fp)
+	e.own(again, 1, again.OperationID, "claim after release with forget")
+	again = request(gone.Key, fp)
+	e.own(again, 1, again.OperationID, "claim after the in-flight record's retention ran out")
+
+	for i, r := range races {
+		what := fmt.Sprintf("race %d: concurrent claims while the late owner releases", i)
+		reqs := racers(claimers/2, r.req.Key, fp)
+		var err error
+		cs := e.claimAll(reqs, func() { err = e.store.Release(e.ctx, r.req.Key, r.owner.Token, false) })
+		if err != nil {
+			require.ErrorIs(e.t, err, idempotency.ErrFenced, "%s: the late owner's Release", what)
+		}
+		w := e.requireOneOwner(reqs, cs, what)
+		e.requireOwner(cs[w], 2, r.req.OperationID, what+": the winner")
+		// Fenced: a claim took the record over before the release, while it
+		// was abandoned; otherwise the release came first.
+		e.requireAbandoned(cs[w], err != nil, fmt.Sprintf("%s: the winner, the late owner's Release returning %v", what, err))
+	}
+}
+
+// 15. A heartbeat with a lease of 0 gives the record up unsettled: it stays
+// in flight, listed as abandoned, and the next claim takes it over at once
+// as an abandoned record, with the same operation ID. The owner that gave it
+// up is fenced from then on, and cannot give up its successor's lease.
+func giveUpLease(e *env) {
+	k, fp := e.key("give-up"), fingerprint("a")
+	first := request(k, fp)
+	old := e.own(first, 1, first.OperationID, "first claim")
+	require.ErrorIs(e.t, e.store.Heartbeat(e.ctx, k, old.Token+1, 0), idempotency.ErrFenced,
+		"Heartbeat with a lease of 0 and a token not the owner's")
+	e.requireInFlight(request(k, fp), longLease, "claim after the fenced Heartbeat with a lease of 0")
+
+	require.NoError(e.t, e.store.Heartbeat(e.ctx, k, old.Token, 0), "the owner's Heartbeat with a lease of 0")
+	require.Equal(e.t, map[idempotency.Key]idempotency.Fingerprint{k: fp}, e.listed(k),
+		"Abandoned after the owner gave its lease up")
+	reqs := racers(claimers, k, fp)
+	cs := e.claimAll(reqs)
+	c := cs[e.requireOneOwner(reqs, cs, "concurrent claims after the owner gave its lease up")]
+	e.requireOwner(c, 2, first.OperationID, "the takeover")
+	e.requireAbandoned(c, true, "the takeover")
+	require.Greater(e.t, c.Token, old.Token, "the takeover's token must be greater than the first owner's")
+	require.ErrorIs(e.t, e.store.Heartbeat(e.ctx, k, old.Token, 0), idempotency.ErrFenced,
+		"the first owner's Heartbeat with a lease of 0, after the takeover")
+	e.requireFenced(k, old.Token, "the owner that gave its lease up")
+	e.requireInFlight(request(k, fp), longLease, "claim after the first owner was fenced")
+	require.Empty(e.t, e.listed(k), "Abandoned after the takeover")
+
+	require.NoError(e.t, e.store.Heartbeat(e.ctx, k, c.Token, 0), "the second owner's Heartbeat with a lease of 0")
+	c3 := e.own(request(k, fp), 3, first.OperationID, "claim after the second owner gave its lease up")
+	e.requireAbandoned(c3, true, "claim after the second owner gave its lease up")
+	want := idempotency.Response{Status: http.StatusCreated, Body: []byte("the third owner's")}
+	e.complete(k, c3.Token, want, "the third owner")
+	e.requireReplay(request(k, fp), first.OperationID, want, "claim after the third owner completed")
+}
+
+// 16. Abandoned lists the records in flight whose lease ran out, each once
+// with its fingerprint, and no other: not one under a live or renewed lease,
+// completed, released, or past its retention, nor one since taken over or
+// settled by its late owner. It returns at most limit records.
+func abandonedListing(e *env) {
+	type record struct {
+		req   idempotency.ClaimRequest
+		owner idempotency.Claim
+	}
+	var keys []idempotency.Key
+	newRecord := func(label string, lease, retention time.Duration) record {
+		req := request(e.key(label), fingerprint(label))
+		req.Lease, req.Retention = lease, retention
+		keys = append(keys, req.Key)
+		return record{req, e.own(req, 1, req.OperationID, "first claim of the record "+label)}
+	}
+	var abandoned []record
+	for i := range 4 {
+		abandoned = append(abandoned, newRecord(fmt.Sprint("abandoned-", i), e.lease, longRetention))
+	}
+	newRecord("gone", e.lease, e.lease)
+	newRecord("live", longLease, longRetention)
+	renewed := newRecord("renewed", e.lease, longRetention)
+	require.NoError(e.t, e.store.Heartbeat(e.ctx, renewed.req.Key, renewed.owner.Token, longLease), "the renewed record's Heartbeat")
+	done := newRecord("completed", e.lease, longRetention)
+	resp := idempotency.Response{Status: http.StatusCreated, Body: []byte("done")}
+	e.complete(done.req.Key, done.owner.Token, resp, "the completed record's owner")
+	released := newRecord("released", e.lease, longRetention)
+	e.release(released.req.Key, released.owner.Token, false, "the released record's owner")
+	kept := slices.Clone(keys)
+	// Made last, so that it is kept a lease's length past the first wait,
+	// and surely not past the second.
+	expiring := newRecord("expiring", e.lease, e.lease+e.past)
+	e.wait(e.past)
+
+	want := map[idempotency.Key]idempotency.Fingerprint{expiring.req.Key: expiring.req.Fingerprint}
+	for _, r := range abandoned {
+		want[r.req.Key] = r.req.Fingerprint
+	}
+	got := e.listed(keys...)
+	require.Equal(e.t, want, got, "records listed once the short leases ran out")
+	const limit = 2
+	list, err := e.store.Abandoned(e.ctx, limit)
+	require.NoError(e.t, err, "Abandoned(%d)", limit)
+	// Other cases' records may fill the page: only the bounds hold.
+	require.NotEmpty(e.t, list, "Abandoned(%d), with %d records of this case abandoned", limit, len(want))
+	require.LessOrEqual(e.t, len(list), limit, "Abandoned(%d)", limit)
+	for _, a := range list {
+		if slices.Contains(keys, a.Key) {
+			require.Contains(e.t, want, a.Key, "Abandoned(%d) listed a record not abandoned", limit)
+			require.Equal(e.t, want[a.Key], a.Fingerprint, "Abandoned(%d) listed %q", limit, a.Key)
+		}
+	}
+
+	// A sweeper claims with what the listing gave.
+	swept := abandoned[0].req.Key
+	c := e.own(idempotency.ClaimRequest{Key: swept, Fingerprint: got[swept], OperationID: "op-sweeper",
+		Lease: longLease, Retention: longRetention}, 2, abandoned[0].req.OperationID, "a sweeper's claim of a listed record")
+	e.requireAbandoned(c, true, "a sweeper's claim of a listed record")
+	// Late owners keep their tokens until taken over.
+	e.complete(abandoned[1].req.Key, abandoned[1].owner.Token, resp, "a late owner")
+	e.release(abandoned[2].req.Key, abandoned[2].owner.Token, false, "a late owner")
+	still := map[idempotency.Key]idempotency.Fingerprint{abandoned[3].req.Key: abandoned[3].req.Fingerprint}
+	require.Equal(e.t, still, e.listed(kept...), "records listed after a takeover and two late settlements")
+
+	e.wait(e.past)
+	require.Equal(e.t, still, e.listed(keys...), "records listed after the expiring record's retention ran out")
 }

@@ -31,8 +31,22 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
 -- For DeleteExpired.
 CREATE INDEX IF NOT EXISTS {{.ExpiresIndex}} ON {{.Table}} (expires_at);
 
--- For a sweeper that looks for owners whose lease ran out.
+-- For Abandoned: it reads the records in flight only, oldest lease first.
 CREATE INDEX IF NOT EXISTS {{.LeaseIndex}} ON {{.Table}} (lease_until) WHERE state = 'in_progress';
+
+-- CREATE OR REPLACE cannot change a function's OUT parameters, and claim
+-- gained o_abandoned: a claim function from before is dropped, inside this
+-- transaction, so that concurrent claims see the old function or the new
+-- one, never none. The current one is kept, so that claims running while
+-- instances start never lose the function they are calling.
+DO $migrate$
+BEGIN
+    IF EXISTS (SELECT FROM pg_proc WHERE oid = to_regprocedure({{.ClaimSignature}})
+               AND NOT ('o_abandoned' = ANY (proargnames))) THEN
+        DROP FUNCTION {{.Claim}}(text, text, bytea, text, bigint, bigint, boolean);
+    END IF;
+END
+$migrate$;
 
 -- Claim applies one claim (see idempotency.Store.Claim) in one round trip.
 -- Under READ COMMITTED each statement below sees the latest committed row,
@@ -40,12 +54,14 @@ CREATE INDEX IF NOT EXISTS {{.LeaseIndex}} ON {{.Table}} (lease_until) WHERE sta
 -- changed in between, the loop reads it again. So a claim never answers from
 -- a row that a concurrent claim has already replaced, and never misses a row
 -- that a concurrent claim has just inserted.
--- o_state is one of owner, completed, in_flight, mismatch.
+-- o_state is one of owner, completed, in_flight, mismatch; o_abandoned is
+-- true for an owner that took over a record whose lease ran out unsettled.
 CREATE OR REPLACE FUNCTION {{.Claim}}(
     p_scope text, p_key text, p_fingerprint bytea, p_operation_id text,
     p_lease_us bigint, p_retention_us bigint, p_watch boolean,
     OUT o_state text, OUT o_operation_id text, OUT o_attempt integer,
-    OUT o_token bigint, OUT o_response bytea, OUT o_lease_left_us bigint)
+    OUT o_token bigint, OUT o_response bytea, OUT o_lease_left_us bigint,
+    OUT o_abandoned boolean)
 LANGUAGE plpgsql AS $$
 DECLARE
     r {{.Table}}%ROWTYPE;
@@ -67,7 +83,7 @@ BEGIN
                 UPDATE {{.Table}} t SET token = DEFAULT
                 WHERE t.scope = p_scope AND t.key = p_key
                 RETURNING t.token INTO o_token;
-                o_state := 'owner'; o_operation_id := p_operation_id; o_attempt := 1;
+                o_state := 'owner'; o_operation_id := p_operation_id; o_attempt := 1; o_abandoned := false;
                 RETURN;
             END IF;
             CONTINUE; -- a concurrent claim made the record: read it
@@ -83,7 +99,7 @@ BEGIN
             WHERE t.scope = p_scope AND t.key = p_key AND t.expires_at <= now()
             RETURNING t.token INTO o_token;
             IF FOUND THEN
-                o_state := 'owner'; o_operation_id := p_operation_id; o_attempt := 1;
+                o_state := 'owner'; o_operation_id := p_operation_id; o_attempt := 1; o_abandoned := false;
                 RETURN;
             END IF;
             CONTINUE;
@@ -119,13 +135,17 @@ BEGIN
 
         -- Released, or in flight under an expired lease: take over. waiters
         -- is kept: whoever waited for the last attempt waits for this one.
+        -- The state read must still hold: an owner whose lease ran out keeps
+        -- its token until taken over, and may release in between, and the
+        -- new owner must not be told it took over an abandoned record then.
         UPDATE {{.Table}} t SET state = 'in_progress', token = DEFAULT, attempt = t.attempt + 1,
             lease_until = now() + p_lease_us * interval '1 microsecond'
-        WHERE t.scope = p_scope AND t.key = p_key AND t.token = r.token AND t.expires_at > now()
+        WHERE t.scope = p_scope AND t.key = p_key AND t.token = r.token AND t.state = r.state
+            AND t.expires_at > now()
             AND (t.state = 'released' OR (t.state = 'in_progress' AND t.lease_until <= now()))
         RETURNING t.operation_id, t.attempt, t.token INTO o_operation_id, o_attempt, o_token;
         IF FOUND THEN
-            o_state := 'owner';
+            o_state := 'owner'; o_abandoned := r.state = 'in_progress';
             RETURN;
         END IF;
     END LOOP;

@@ -64,7 +64,7 @@ type Store struct {
 	pool *pgxpool.Pool
 	opts Options
 	// The table's statements, with its quoted name filled in.
-	claimSQL, completeSQL, releaseSQL, forgetSQL, heartbeatSQL, deleteSQL string
+	claimSQL, completeSQL, releaseSQL, forgetSQL, heartbeatSQL, abandonedSQL, deleteSQL string
 
 	mu   sync.Mutex
 	subs map[string]map[*subscription]struct{} // by wakeID
@@ -96,13 +96,20 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 	return &Store{
 		pool: pool,
 		opts: o,
-		claimSQL: `SELECT o_state, coalesce(o_operation_id, ''), coalesce(o_attempt, 0), coalesce(o_token, 0), o_response, coalesce(o_lease_left_us, 0)
+		claimSQL: `SELECT o_state, coalesce(o_operation_id, ''), coalesce(o_attempt, 0), coalesce(o_token, 0), o_response,
+				coalesce(o_lease_left_us, 0), coalesce(o_abandoned, false)
 			FROM ` + n.Claim + `($1, $2, $3, $4, $5, $6, $7)`,
 		completeSQL: `UPDATE ` + t + ` SET state = 'completed', response = $4,
 			expires_at = now() + $5 * interval '1 microsecond' WHERE ` + owned,
 		releaseSQL:   `UPDATE ` + t + ` SET state = 'released' WHERE ` + owned,
 		forgetSQL:    `DELETE FROM ` + t + ` WHERE ` + owned,
 		heartbeatSQL: `UPDATE ` + t + ` SET lease_until = now() + $4 * interval '1 microsecond' WHERE ` + owned,
+		// The partial index on lease_until holds the records in flight only,
+		// so the scan's cost follows them, not every record kept. Records
+		// past retention still in it (until DeleteExpired) are filtered out.
+		abandonedSQL: `SELECT scope, key, fingerprint FROM ` + t + `
+			WHERE state = 'in_progress' AND lease_until <= now() AND expires_at > now()
+			ORDER BY lease_until LIMIT $1`,
 		// The rows are locked before they are deleted, and rows that a claim
 		// holds are skipped: a claim making a new record in place of an
 		// expired one is never undone, nor waited for.
@@ -119,7 +126,9 @@ type names struct {
 	Table, Claim, Wake             string // schema-qualified
 	ExpiresIndex, LeaseIndex       string // in the table's schema
 	SettledTrigger, DeletedTrigger string // on the table
-	Channel                        string // a string literal, set by Migrate
+	// String literals, set by Migrate.
+	Channel        string
+	ClaimSignature string // Claim with its argument types, for to_regprocedure
 }
 
 func newNames(table string) names {
@@ -145,6 +154,11 @@ func newNames(table string) names {
 // run from many instances at once: each runs it in a transaction under an
 // advisory lock named after the table.
 func (s *Store) Migrate(ctx context.Context) error {
+	return s.migrate(ctx, schemaTemplate)
+}
+
+// migrate runs the schema that tmpl renders, as Migrate describes.
+func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return unavailable("migrate", err)
@@ -158,13 +172,15 @@ func (s *Store) Migrate(ctx context.Context) error {
 		return unavailable("migrate", err)
 	}
 	n := newNames(s.opts.Table)
-	channel, err := tx.Conn().PgConn().EscapeString(s.opts.Channel)
-	if err != nil {
+	escape := tx.Conn().PgConn().EscapeString
+	channel, err1 := escape(s.opts.Channel)
+	signature, err2 := escape(n.Claim + "(text, text, bytea, text, bigint, bigint, boolean)")
+	if err := errors.Join(err1, err2); err != nil {
 		return unavailable("migrate", err)
 	}
-	n.Channel = "'" + channel + "'"
+	n.Channel, n.ClaimSignature = "'"+channel+"'", "'"+signature+"'"
 	var schema strings.Builder
-	if err := schemaTemplate.Execute(&schema, n); err != nil {
+	if err := tmpl.Execute(&schema, n); err != nil {
 		return fmt.Errorf("postgres: rendering schema.sql: %w", err)
 	}
 	// Without arguments, pgx sends the script in one simple-protocol query,
@@ -189,7 +205,7 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 	)
 	err := s.pool.QueryRow(ctx, s.claimSQL, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID,
 		req.Lease.Microseconds(), req.Retention.Microseconds(), req.Watch).
-		Scan(&state, &c.OperationID, &c.Attempt, &token, &response, &leftUS)
+		Scan(&state, &c.OperationID, &c.Attempt, &token, &response, &leftUS, &c.Abandoned)
 	if err != nil {
 		return idempotency.Claim{}, unavailable("claim", err)
 	}
@@ -235,9 +251,41 @@ func (s *Store) Release(ctx context.Context, k idempotency.Key, token uint64, fo
 	return s.fenced(ctx, s.pool, "release", s.releaseSQL, k, token)
 }
 
-// Heartbeat implements idempotency.Store.
+// Heartbeat implements idempotency.Store. A lease of 0 sets the lease's end
+// to the database's now(), which no later claim's now() precedes: the next
+// claim takes the record over as abandoned.
 func (s *Store) Heartbeat(ctx context.Context, k idempotency.Key, token uint64, lease time.Duration) error {
 	return s.fenced(ctx, s.pool, "heartbeat", s.heartbeatSQL, k, token, lease.Microseconds())
+}
+
+// Abandoned implements idempotency.Store, in one statement on the partial
+// index of the records in flight, the longest abandoned first.
+func (s *Store) Abandoned(ctx context.Context, limit int) ([]idempotency.AbandonedRecord, error) {
+	if limit <= 0 {
+		return nil, nil // none wanted; LIMIT would refuse a negative count
+	}
+	rows, err := s.pool.Query(ctx, s.abandonedSQL, limit)
+	if err != nil {
+		return nil, unavailable("abandoned", err)
+	}
+	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (idempotency.AbandonedRecord, error) {
+		var (
+			a  idempotency.AbandonedRecord
+			fp []byte
+		)
+		if err := row.Scan(&a.Key.Scope, &a.Key.Name, &fp); err != nil {
+			return a, err
+		}
+		if len(fp) != len(a.Fingerprint) {
+			return a, fmt.Errorf("record %q has a fingerprint of %d bytes", a.Key, len(fp))
+		}
+		a.Fingerprint = idempotency.Fingerprint(fp)
+		return a, nil
+	})
+	if err != nil {
+		return nil, unavailable("abandoned", err)
+	}
+	return out, nil
 }
 
 // DeleteExpired deletes the records whose retention has run out and returns

@@ -2,6 +2,7 @@ package postgres_test
 
 import (
 	"context"
+	_ "embed"
 	"fmt"
 	"net/http"
 	"sync"
@@ -54,6 +55,9 @@ func TestStore(t *testing.T) {
 		{"DeleteExpired", testDeleteExpired},
 		{"ListenerReconnect", testListenerReconnect},
 		{"MigrateConcurrently", testMigrateConcurrently},
+		{"MigrateUpgrade", testMigrateUpgrade},
+		{"TakeoverWaitsOutRelease", testTakeoverWaitsOutRelease},
+		{"AbandonedCorruptFingerprint", testAbandonedCorruptFingerprint},
 		{"ErrorsAreUnavailable", testErrorsAreUnavailable},
 	}
 	for _, c := range cases {
@@ -68,12 +72,17 @@ type fixture struct {
 
 // store returns a migrated Store on a table and channel of its own.
 func (f *fixture) store(t *testing.T) (*postgres.Store, postgres.Options) {
-	n := f.tables.Add(1)
-	o := postgres.Options{Table: fmt.Sprintf("records_%d", n), Channel: fmt.Sprintf("wake_%d", n)}
+	o := f.options()
 	s := postgres.New(f.pool, o)
 	require.NoError(t, s.Migrate(t.Context()))
 	t.Cleanup(s.Close)
 	return s, o
+}
+
+// options names a table and channel no other Store uses.
+func (f *fixture) options() postgres.Options {
+	n := f.tables.Add(1)
+	return postgres.Options{Table: fmt.Sprintf("records_%d", n), Channel: fmt.Sprintf("wake_%d", n)}
 }
 
 func fp(s string) idempotency.Fingerprint { return idempotency.FingerprintOf("test", []byte(s)) }
@@ -300,9 +309,10 @@ func testDeleteExpired(t *testing.T, f *fixture) {
 	require.NoError(t, s.Release(ctx, key(live[2]), c.Token, false))
 
 	// Expiring in each state: retention runs out on the database's clock.
+	// Long enough for the release below to find its record still there.
 	brief := func(name string) idempotency.ClaimRequest {
 		r := request(name, longLease)
-		r.Retention = time.Millisecond
+		r.Retention = 250 * time.Millisecond
 		return r
 	}
 	claim(t, s, brief("expired_in_progress"))
@@ -315,7 +325,7 @@ func testDeleteExpired(t *testing.T, f *fixture) {
 	_, err := f.pool.Exec(ctx, `INSERT INTO `+o.Table+` (scope, key, fingerprint, state, attempt, operation_id, lease_until, expires_at)
 		SELECT 'bulk', 'k' || i, '\x00', 'released', 1, 'op', now(), now() - interval '1 hour' FROM generate_series(1, $1) i`, bulk)
 	require.NoError(t, err)
-	time.Sleep(50 * time.Millisecond) // the 1ms retentions run out
+	time.Sleep(300 * time.Millisecond) // the short retentions run out
 
 	n, err := s.DeleteExpired(ctx)
 	require.NoError(t, err)
@@ -434,9 +444,124 @@ func testErrorsAreUnavailable(t *testing.T, f *fixture) {
 	}
 	_, err = s.DeleteExpired(ctx)
 	require.ErrorIs(t, err, idempotency.ErrUnavailable)
+	_, err = s.Abandoned(ctx, 10)
+	require.ErrorIs(t, err, idempotency.ErrUnavailable)
 	sctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
 	defer cancel()
 	_, err = s.Subscribe(sctx, key("k"))
 	require.ErrorIs(t, err, idempotency.ErrUnavailable)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
+}
+
+//go:embed testdata/schema-v1.sql
+var schemaV1 string
+
+// Migrate upgrades a database made by the first schema, whose claim
+// function had no o_abandoned (an OUT parameter CREATE OR REPLACE cannot
+// add), while instances migrate at once; a record the old function left
+// in flight is taken over by the new one, as abandoned.
+func testMigrateUpgrade(t *testing.T, f *fixture) {
+	ctx := t.Context()
+	o := f.options()
+	o.Table += ` "o'brien"` // quotes of both kinds, in identifiers and in literals
+	require.NoError(t, postgres.New(f.pool, o).MigrateWith(ctx, schemaV1))
+	// The old function's claim, with a lease of 0: abandoned at once.
+	pay := fp("pay")
+	var (
+		state string
+		token int64
+	)
+	require.NoError(t, f.pool.QueryRow(ctx, "SELECT o_state, o_token FROM "+pgx.Identifier{o.Table + "_claim"}.Sanitize()+
+		"($1, $2, $3, $4, 0, $5, false)", key("pay").Scope, key("pay").Name, pay[:], "op_pay", longRetention.Microseconds()).
+		Scan(&state, &token))
+	require.Equal(t, "owner", state)
+
+	errs := make([]error, 4)
+	var wg sync.WaitGroup
+	for i := range errs {
+		wg.Go(func() { errs[i] = postgres.New(f.pool, o).Migrate(ctx) })
+	}
+	wg.Wait()
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+	s := postgres.New(f.pool, o)
+	t.Cleanup(s.Close)
+	require.NoError(t, s.Migrate(ctx), "Migrate on an up-to-date database")
+
+	c := claim(t, s, request("pay", longLease))
+	require.Equal(t, idempotency.Owner, c.State)
+	assert.Equal(t, 2, c.Attempt)
+	assert.Equal(t, "op_pay", c.OperationID)
+	assert.True(t, c.Abandoned, "takeover of the record the old function left in flight")
+	assert.Greater(t, c.Token, uint64(token))
+	require.ErrorIs(t, s.Heartbeat(ctx, key("pay"), uint64(token), longLease), idempotency.ErrFenced)
+}
+
+// A claim that read the record abandoned, and then waits for its row while
+// the late owner's release commits, takes over a released record: it must
+// not report an abandoned one. The conformance suite races the two; here a
+// transaction holds the row so that the claim surely waits in between.
+func testTakeoverWaitsOutRelease(t *testing.T, f *fixture) {
+	s, o := f.store(t)
+	ctx := t.Context()
+	req := request("pay", longLease)
+	owner := claim(t, s, req)
+	require.NoError(t, s.Heartbeat(ctx, req.Key, owner.Token, 0), "giving the lease up")
+
+	tx, err := f.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	where := " WHERE scope = $1 AND key = $2"
+	_, err = tx.Exec(ctx, "SELECT FROM "+o.Table+where+" FOR UPDATE", req.Key.Scope, req.Key.Name)
+	require.NoError(t, err)
+
+	type result struct {
+		c   idempotency.Claim
+		err error
+	}
+	claimed := make(chan result, 1)
+	retry := req
+	retry.OperationID = "op_retry"
+	go func() {
+		c, err := s.Claim(ctx, retry)
+		claimed <- result{c, err}
+	}()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		err := f.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0)`, o.Table+"_claim").Scan(&waiting)
+		return err == nil && waiting
+	}, wakeTimeout, 10*time.Millisecond, "the claim never waited for the row")
+
+	// Store.Release's statement, in the transaction that holds the row.
+	tag, err := tx.Exec(ctx, "UPDATE "+o.Table+" SET state = 'released'"+where+" AND token = $3",
+		req.Key.Scope, req.Key.Name, int64(owner.Token))
+	require.NoError(t, err)
+	require.EqualValues(t, 1, tag.RowsAffected())
+	require.NoError(t, tx.Commit(ctx))
+
+	var r result
+	select {
+	case r = <-claimed:
+	case <-time.After(wakeTimeout):
+		t.Fatalf("the claim did not return within %v of the release", wakeTimeout)
+	}
+	require.NoError(t, r.err)
+	require.Equal(t, idempotency.Owner, r.c.State)
+	assert.Equal(t, 2, r.c.Attempt)
+	assert.Equal(t, "op_pay", r.c.OperationID)
+	assert.False(t, r.c.Abandoned, "takeover of a record released while the claim waited")
+}
+
+// A row whose fingerprint is not a SHA-256 fails Abandoned with
+// ErrUnavailable rather than yield a record no claim can match.
+func testAbandonedCorruptFingerprint(t *testing.T, f *fixture) {
+	s, o := f.store(t)
+	ctx := t.Context()
+	_, err := f.pool.Exec(ctx, `INSERT INTO `+o.Table+` (scope, key, fingerprint, state, attempt, operation_id, lease_until, expires_at)
+		VALUES ('acct_1', 'short', '\x00', 'in_progress', 1, 'op', now(), now() + interval '1 hour')`)
+	require.NoError(t, err)
+	_, err = s.Abandoned(ctx, 10)
+	require.ErrorIs(t, err, idempotency.ErrUnavailable)
 }
