@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 )
@@ -161,14 +162,20 @@ func (s *MemoryStore) Abandoned(_ context.Context, limit int) ([]AbandonedRecord
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.opts.Now()
-	var out []AbandonedRecord
+	type due struct {
+		AbandonedRecord
+		since time.Time
+	}
+	var all []due
 	for k, r := range s.records {
-		if len(out) == limit {
-			break
-		}
 		if r.state == Owner && !r.leaseUntil.After(now) && r.expires.After(now) {
-			out = append(out, AbandonedRecord{Key: k, Fingerprint: r.fingerprint})
+			all = append(all, due{AbandonedRecord{Key: k, Fingerprint: r.fingerprint}, r.leaseUntil})
 		}
+	}
+	slices.SortFunc(all, func(a, b due) int { return a.since.Compare(b.since) })
+	out := make([]AbandonedRecord, 0, min(max(limit, 0), len(all)))
+	for _, d := range all[:cap(out)] {
+		out = append(out, d.AbandonedRecord)
 	}
 	return out, nil
 }

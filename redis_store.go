@@ -1,10 +1,12 @@
 package idempotency
 
 import (
+	"cmp"
 	"context"
 	_ "embed"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -211,8 +213,12 @@ func (s *RedisStore) Subscribe(ctx context.Context, k Key) (Subscription, error)
 	return sub, nil
 }
 
-// Abandoned implements Store: one script per bucket, all in one pipeline.
+// Abandoned implements Store: one script per bucket, all in one pipeline,
+// merged oldest lease first.
 func (s *RedisStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecord, error) {
+	if limit <= 0 {
+		return nil, nil
+	}
 	if err := s.sweep.Load(ctx, s.c).Err(); err != nil {
 		return nil, unavailable("abandoned", err)
 	}
@@ -225,19 +231,29 @@ func (s *RedisStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecor
 	if err != nil {
 		return nil, unavailable("abandoned", err)
 	}
-	var out []AbandonedRecord
+	type due struct {
+		AbandonedRecord
+		deadline int64
+	}
+	var all []due
 	for b, cmd := range cmds {
 		v, _ := cmd.(*redis.Cmd).Slice()
 		tag := s.bucketTag(uint32(b))
-		for i := 0; i+1 < len(v) && len(out) < limit; i += 2 {
+		for i := 0; i+2 < len(v); i += 3 {
 			rec, _ := v[i].(string)
 			fp, _ := v[i+1].(string)
+			deadline, err := strconv.ParseInt(fmt.Sprint(v[i+2]), 10, 64)
 			k, ok := parseRecordName(strings.TrimPrefix(rec, tag))
-			if !ok || len(fp) != len(Fingerprint{}) || !strings.HasPrefix(rec, tag) {
+			if !ok || err != nil || len(fp) != len(Fingerprint{}) || !strings.HasPrefix(rec, tag) {
 				return nil, unavailable("abandoned", fmt.Errorf("unexpected entry %q in %sleases", rec, tag))
 			}
-			out = append(out, AbandonedRecord{Key: k, Fingerprint: Fingerprint([]byte(fp))})
+			all = append(all, due{AbandonedRecord{Key: k, Fingerprint: Fingerprint([]byte(fp))}, deadline})
 		}
+	}
+	slices.SortFunc(all, func(a, b due) int { return cmp.Compare(a.deadline, b.deadline) })
+	out := make([]AbandonedRecord, 0, min(limit, len(all)))
+	for _, d := range all[:cap(out)] {
+		out = append(out, d.AbandonedRecord)
 	}
 	return out, nil
 }

@@ -63,14 +63,16 @@ func TestRedisWakeUpIsPublished(t *testing.T) {
 		g := New(s, Options{RecheckInterval: time.Hour, WaitTimeout: 30 * time.Second})
 		k, fp := Key{Name: "wake"}, FingerprintOf("op", nil)
 		started, finish := make(chan struct{}), make(chan struct{})
-		go func() {
+		var owner sync.WaitGroup
+		defer owner.Wait()
+		owner.Go(func() {
 			_, err := g.Do(context.Background(), k, fp, func(context.Context) (Response, error) {
 				close(started)
 				<-finish
 				return Response{Status: 201, Body: []byte("done")}, nil
 			})
 			assert.NoError(t, err)
-		}()
+		})
 		<-started
 		got := make(chan Result, 1)
 		go func() {

@@ -23,8 +23,9 @@ type Store interface {
 	//     record remembers that someone waits, so that settling it wakes
 	//     them (see Subscribe).
 	//   - in flight under an expired lease, or released: take over: attempt
-	//     + 1, a new token, the same operation ID; State Owner, and
-	//     Abandoned when the lease had expired.
+	//     + 1, a new token, the same operation ID, and a retention of at
+	//     least req.Retention from now; State Owner, and Abandoned when the
+	//     lease had expired.
 	// A new token is greater than every token issued before for the key,
 	// even if the record expired and was made again in between.
 	Claim(ctx context.Context, req ClaimRequest) (Claim, error)
@@ -43,8 +44,9 @@ type Store interface {
 	// next claim takes it over.
 	Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error
 	// Abandoned lists up to limit records that are in flight with a lease
-	// that ran out. Its cost grows with the records in flight, not with
-	// all the records kept.
+	// that ran out, the longest expired first, so that records no one can
+	// settle yet do not hide the others; limit <= 0 lists none. Its cost
+	// grows with the records in flight, not with all the records kept.
 	Abandoned(ctx context.Context, limit int) ([]AbandonedRecord, error)
 	// Subscribe returns once the caller is certain to be woken by every
 	// Complete or Release of k's record that follows a watching Claim. It
@@ -66,7 +68,7 @@ type ClaimRequest struct {
 	Fingerprint Fingerprint
 	OperationID string        // used only when the claim creates the record
 	Lease       time.Duration // how long the new owner holds the record
-	Retention   time.Duration // how long a new record is kept
+	Retention   time.Duration // how long a new record is kept, and at least how long a taken-over one is
 	Watch       bool          // the caller will wait if the record is in flight
 }
 

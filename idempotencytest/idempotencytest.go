@@ -67,6 +67,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"Fencing", fencing},
 		{"HeartbeatExtendsLease", heartbeatExtendsLease},
 		{"Retention", retention},
+		{"TakeoverExtendsRetention", takeoverExtendsRetention},
 		{"WakeUp", wakeUp},
 		{"ConcurrentClaims", concurrentClaims},
 		{"Guard", guard},
@@ -681,6 +682,23 @@ func retention(e *env) {
 	want := idempotency.Response{Status: http.StatusOK, Body: []byte("the new owner's")}
 	e.complete(flight.Key, c.Token, want, "the recreated record's owner")
 	e.requireReplay(request(flight.Key, fp), again.OperationID, want, "claim after the recreated record completed")
+}
+
+// A takeover near the end of a record's retention must not lose the record
+// while the new owner runs: the claim's retention applies from the takeover.
+func takeoverExtendsRetention(e *env) {
+	fp := fingerprint("a")
+	first := request(e.key("late-takeover"), fp)
+	first.Lease, first.Retention = e.lease, e.lease+e.past
+	e.own(first, 1, first.OperationID, "first claim, with a retention just past its lease")
+	e.wait(e.past)
+	taker := request(first.Key, fp)
+	c := e.own(taker, 2, first.OperationID, "takeover after the lease ran out, before the retention did")
+	e.wait(e.past) // the first claim's retention has now run out
+	e.requireInFlight(request(first.Key, fp), longLease, "claim after the first claim's retention, during the takeover")
+	want := idempotency.Response{Status: http.StatusCreated, Body: []byte("settled late")}
+	e.complete(first.Key, c.Token, want, "the late owner")
+	e.requireReplay(request(first.Key, fp), first.OperationID, want, "claim after the late owner completed")
 }
 
 // 10. Subscribers of a record are woken when a watched record is settled,

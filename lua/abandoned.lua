@@ -1,7 +1,8 @@
 -- abandoned: the records of one hash slot that are in flight with a lease
 -- that ran out (see Store.Abandoned).
 -- KEYS[1] the slot's in-flight index. ARGV: the most records to return.
--- Returns record key, fingerprint, record key, fingerprint, ...
+-- Returns record key, fingerprint, lease deadline, record key, ... oldest
+-- lease first.
 local leases = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -12,6 +13,7 @@ for _, rec in ipairs(due) do
   if cur[1] == 'p' and tonumber(cur[2]) <= now then
     out[#out + 1] = rec
     out[#out + 1] = cur[3]
+    out[#out + 1] = cur[2]
   elseif not cur[1] then
     -- The record's retention ran out: the entry is stale.
     redis.call('ZREM', leases, rec)

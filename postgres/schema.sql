@@ -138,8 +138,11 @@ BEGIN
         -- The state read must still hold: an owner whose lease ran out keeps
         -- its token until taken over, and may release in between, and the
         -- new owner must not be told it took over an abandoned record then.
+        -- The new owner must not lose the record to its retention while it
+        -- runs: expires_at is pushed out to a full retention if sooner.
         UPDATE {{.Table}} t SET state = 'in_progress', token = DEFAULT, attempt = t.attempt + 1,
-            lease_until = now() + p_lease_us * interval '1 microsecond'
+            lease_until = now() + p_lease_us * interval '1 microsecond',
+            expires_at = greatest(t.expires_at, now() + p_retention_us * interval '1 microsecond')
         WHERE t.scope = p_scope AND t.key = p_key AND t.token = r.token AND t.state = r.state
             AND t.expires_at > now()
             AND (t.state = 'released' OR (t.state = 'in_progress' AND t.lease_until <= now()))
