@@ -1,0 +1,91 @@
+package main
+
+import (
+	"sync"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-go/idempotency/internal/testserver"
+)
+
+// backend is the gateway and the ledger, which every implementation is.
+type backend interface {
+	gateway
+	ledger
+}
+
+// TestBackends runs the checks on the Redis and the PostgreSQL
+// implementation, each on a server of its own, with no gateway latency.
+func TestBackends(t *testing.T) {
+	t.Parallel()
+	checks := func(t *testing.T, b backend) {
+		t.Run("gateway agrees on one charge", func(t *testing.T) { testGatewayAgreesOnOneCharge(t, b) })
+		t.Run("ledger refuses stale attempts", func(t *testing.T) { testLedgerRefusesStaleAttempts(t, b) })
+	}
+	t.Run("redis", func(t *testing.T) {
+		t.Parallel()
+		checks(t, &redisBackend{c: testserver.StartRedis(t).Client()})
+	})
+	t.Run("postgres", func(t *testing.T) {
+		t.Parallel()
+		pool, err := pgxpool.New(t.Context(), testserver.StartPostgres(t).DSN)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		b, err := newPostgresBackend(t.Context(), pool, 0)
+		require.NoError(t, err)
+		checks(t, b)
+	})
+}
+
+// Concurrent calls with one downstream key, as a takeover racing a stalled
+// owner makes them, agree on one charge.
+func testGatewayAgreesOnOneCharge(t *testing.T, g gateway) {
+	const calls = 20
+	req := chargeRequest{Amount: 4200, Currency: "usd", Source: "tok_visa"}
+	got := make([]charge, calls)
+	errs := make([]error, calls)
+	var wg sync.WaitGroup
+	for i := range calls {
+		wg.Go(func() { got[i], errs[i] = g.charge(t.Context(), "idem_same", req) })
+	}
+	wg.Wait()
+	for i := range calls {
+		require.NoError(t, errs[i])
+		require.Equal(t, got[0], got[i])
+	}
+	assert.Equal(t, charge{ID: got[0].ID, Amount: 4200, Currency: "usd", Source: "tok_visa", Status: "succeeded"}, got[0])
+
+	other, err := g.charge(t.Context(), "idem_other", req)
+	require.NoError(t, err)
+	assert.NotEqual(t, got[0].ID, other.ID)
+	s, err := g.stats(t.Context())
+	require.NoError(t, err)
+	assert.Equal(t, gatewayStats{Calls: calls + 1, Charges: 2}, s)
+}
+
+// The ledger takes a charge from the newest attempt that wrote it, and from
+// no older one; tokens compare as numbers, exactly, however large.
+func testLedgerRefusesStaleAttempts(t *testing.T, l ledger) {
+	ctx := t.Context()
+	c := charge{ID: "ch_1", Amount: 4200, Currency: "usd", Source: "tok_visa", Status: "succeeded"}
+	require.NoError(t, l.record(ctx, c, 9))
+	require.NoError(t, l.record(ctx, c, 10))
+	require.ErrorIs(t, l.record(ctx, c, 9), errStale)
+	require.NoError(t, l.record(ctx, c, 10), "the same attempt may write again")
+	require.NoError(t, l.record(ctx, c, 1<<60+1))
+	require.ErrorIs(t, l.record(ctx, c, 1<<60), errStale)
+
+	got, err := l.get(ctx, c.ID)
+	require.NoError(t, err)
+	assert.Equal(t, c, got)
+	_, err = l.get(ctx, "ch_none")
+	require.ErrorIs(t, err, errNotFound)
+	d := charge{ID: "ch_0", Amount: 1, Currency: "eur", Source: "tok_x", Status: "succeeded"}
+	require.NoError(t, l.record(ctx, d, 1))
+	all, err := l.list(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, []charge{d, c}, all)
+}

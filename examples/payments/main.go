@@ -1,0 +1,153 @@
+// Command payments is a small payments API built on the idempotency library.
+// POST /v1/charges charges a card through a simulated payment gateway at
+// most once per Idempotency-Key, however often the client retries and
+// whichever instance each retry reaches, as long as the instances share one
+// Redis or one PostgreSQL.
+//
+// Usage:
+//
+//	payments [-addr 127.0.0.1:8080] [-redis HOST:PORT | -postgres DSN] [-work 20ms] [-lease 0] [-wait 0]
+//
+// Without -redis or -postgres it runs on an embedded Redis (miniredis), which
+// no other process sees: fine for a try-out, not for several instances.
+//
+// The gateway and the ledger live in the same database as the idempotency
+// records. The gateway deduplicates on its own idempotency key, which the
+// handler derives with idempotency.DownstreamKey, as a real provider would.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log"
+	"net"
+	"net/http"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idempotency-go/idempotency"
+	"github.com/idempotency-go/idempotency/postgres"
+)
+
+type config struct {
+	addr, redis, postgres string
+	work, lease, wait     time.Duration
+}
+
+func main() {
+	log.SetPrefix("payments: ")
+	var cfg config
+	flag.StringVar(&cfg.addr, "addr", "127.0.0.1:8080", "`address` to listen on; port 0 picks a free port")
+	flag.StringVar(&cfg.redis, "redis", "", "Redis `HOST:PORT` shared by every instance (default: an embedded Redis, not shared)")
+	flag.StringVar(&cfg.postgres, "postgres", "", "PostgreSQL `DSN` shared by every instance, instead of Redis")
+	flag.DurationVar(&cfg.work, "work", 20*time.Millisecond, "time the simulated gateway takes per call")
+	flag.DurationVar(&cfg.lease, "lease", 0, "the idempotency lease (0: the library's default)")
+	flag.DurationVar(&cfg.wait, "wait", 0, "how long a duplicate waits for the original (0: the library's default; negative: do not wait)")
+	flag.Parse()
+	if err := run(cfg); err != nil {
+		log.Fatal(err)
+	}
+}
+
+func run(cfg config) error {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+
+	b, err := open(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer b.close()
+	guard := idempotency.New(b.store, idempotency.Options{Lease: cfg.lease, WaitTimeout: cfg.wait})
+	a := &api{gateway: b.gateway, ledger: b.ledger}
+	srv := &http.Server{Handler: a.routes(guard), ReadHeaderTimeout: 10 * time.Second}
+
+	ln, err := net.Listen("tcp", cfg.addr)
+	if err != nil {
+		return err
+	}
+	log.Printf("listening on %s", ln.Addr())
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	select {
+	case err := <-served:
+		return err
+	case <-ctx.Done():
+	}
+	// Let running handlers finish, so that their outcomes are stored
+	// rather than left for a takeover after the lease.
+	log.Print("shutting down")
+	sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	return srv.Shutdown(sctx)
+}
+
+// backends is the state every instance shares: the idempotency records, the
+// gateway and the ledger, all in one database.
+type backends struct {
+	store   idempotency.Store
+	gateway gateway
+	ledger  ledger
+	close   func()
+}
+
+func open(ctx context.Context, cfg config) (*backends, error) {
+	if cfg.redis != "" && cfg.postgres != "" {
+		return nil, errors.New("give -redis or -postgres, not both")
+	}
+	if cfg.postgres != "" {
+		return openPostgres(ctx, cfg)
+	}
+	return openRedis(ctx, cfg)
+}
+
+func openPostgres(ctx context.Context, cfg config) (*backends, error) {
+	pool, err := pgxpool.New(ctx, cfg.postgres)
+	if err != nil {
+		return nil, err
+	}
+	store := postgres.New(pool, postgres.Options{})
+	pg, err := newPostgresBackend(ctx, pool, cfg.work)
+	if err == nil {
+		err = store.Migrate(ctx)
+	}
+	if err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return &backends{store: store, gateway: pg, ledger: pg, close: func() { store.Close(); pool.Close() }}, nil
+}
+
+func openRedis(ctx context.Context, cfg config) (*backends, error) {
+	addr := cfg.redis
+	closeEmbedded := func() {}
+	if addr == "" {
+		m := miniredis.NewMiniRedis()
+		if err := m.Start(); err != nil {
+			return nil, err
+		}
+		addr, closeEmbedded = m.Addr(), m.Close
+		log.Printf("WARNING: no -redis or -postgres: using an embedded Redis (miniredis) at %s. "+
+			"It is not shared between processes: instances started this way do not act as one service.", addr)
+	}
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	if err := c.Ping(ctx).Err(); err != nil {
+		c.Close()
+		closeEmbedded()
+		return nil, fmt.Errorf("redis %s: %w", addr, err)
+	}
+	store := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
+	rb := &redisBackend{c: c, latency: cfg.work}
+	return &backends{store: store, gateway: rb, ledger: rb, close: func() {
+		store.Close()
+		c.Close()
+		closeEmbedded()
+	}}, nil
+}
