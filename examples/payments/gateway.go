@@ -24,9 +24,9 @@ type charge struct {
 	Status   string `json:"status"`
 }
 
-// gatewayStats counts the provider's work: calls made to it, and charges it
-// created. Under a correct service, charges equals the operations that ran,
-// however many retries and takeovers there were.
+// gatewayStats counts the provider's work: calls made to charge, and charges
+// it created. Under a correct service, charges equals the operations that
+// ran, however many retries and takeovers there were. Lookups are not calls.
 type gatewayStats struct {
 	Calls   int64 `json:"calls"`
 	Charges int64 `json:"charges"`
@@ -40,6 +40,10 @@ type gateway interface {
 	// one, and returns key's charge. Concurrent calls with one key agree on
 	// one charge.
 	charge(ctx context.Context, key string, req chargeRequest) (charge, error)
+	// lookup returns key's charge, and false if no call with key has made
+	// one. It charges nothing and is not counted as a call: it is how a
+	// recovery learns whether a dead attempt's call reached the provider.
+	lookup(ctx context.Context, key string) (charge, bool, error)
 	stats(ctx context.Context) (gatewayStats, error)
 }
 
@@ -126,6 +130,21 @@ func (b *redisBackend) charge(ctx context.Context, key string, req chargeRequest
 		return charge{}, fmt.Errorf("gateway: %w", err)
 	}
 	return c, respondAfter(ctx, b.latency)
+}
+
+func (b *redisBackend) lookup(ctx context.Context, key string) (charge, bool, error) {
+	v, err := b.c.HGet(ctx, gatewayChargesKey, key).Bytes()
+	if errors.Is(err, redis.Nil) {
+		return charge{}, false, nil
+	}
+	if err != nil {
+		return charge{}, false, fmt.Errorf("gateway: %w", err)
+	}
+	var c charge
+	if err := json.Unmarshal(v, &c); err != nil {
+		return charge{}, false, fmt.Errorf("gateway: %w", err)
+	}
+	return c, true, nil
 }
 
 func (b *redisBackend) stats(ctx context.Context) (gatewayStats, error) {
@@ -231,6 +250,18 @@ func (b *postgresBackend) charge(ctx context.Context, key string, req chargeRequ
 		return charge{}, fmt.Errorf("gateway: %w", err)
 	}
 	return c, respondAfter(ctx, b.latency)
+}
+
+func (b *postgresBackend) lookup(ctx context.Context, key string) (charge, bool, error) {
+	var c charge
+	err := b.pool.QueryRow(ctx, `SELECT charge FROM payments_gateway_charges WHERE downstream_key = $1`, key).Scan(&c)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return charge{}, false, nil
+	case err != nil:
+		return charge{}, false, fmt.Errorf("gateway: %w", err)
+	}
+	return c, true, nil
 }
 
 func (b *postgresBackend) stats(ctx context.Context) (gatewayStats, error) {

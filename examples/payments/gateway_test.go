@@ -23,6 +23,7 @@ func TestBackends(t *testing.T) {
 	t.Parallel()
 	checks := func(t *testing.T, b backend) {
 		t.Run("gateway agrees on one charge", func(t *testing.T) { testGatewayAgreesOnOneCharge(t, b) })
+		t.Run("gateway lookup is not a call", func(t *testing.T) { testGatewayLookup(t, b) })
 		t.Run("ledger refuses stale attempts", func(t *testing.T) { testLedgerRefusesStaleAttempts(t, b) })
 	}
 	t.Run("redis", func(t *testing.T) {
@@ -64,6 +65,29 @@ func testGatewayAgreesOnOneCharge(t *testing.T, g gateway) {
 	s, err := g.stats(t.Context())
 	require.NoError(t, err)
 	assert.Equal(t, gatewayStats{Calls: calls + 1, Charges: 2}, s)
+}
+
+// A lookup finds the charge a call made under its key, and nothing under a
+// key no call used; it neither charges nor counts as a call.
+func testGatewayLookup(t *testing.T, g gateway) {
+	ctx := t.Context()
+	before, err := g.stats(ctx)
+	require.NoError(t, err)
+	_, found, err := g.lookup(ctx, "idem_lookup")
+	require.NoError(t, err)
+	assert.False(t, found, "a charge under a key no call used")
+
+	made, err := g.charge(ctx, "idem_lookup", chargeRequest{Amount: 700, Currency: "eur", Source: "tok_mc"})
+	require.NoError(t, err)
+	for range 3 {
+		got, found, err := g.lookup(ctx, "idem_lookup")
+		require.NoError(t, err)
+		require.True(t, found)
+		require.Equal(t, made, got)
+	}
+	after, err := g.stats(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, gatewayStats{Calls: before.Calls + 1, Charges: before.Charges + 1}, after)
 }
 
 // The ledger takes a charge from the newest attempt that wrote it, and from
