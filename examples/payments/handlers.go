@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -74,8 +75,59 @@ func (a *api) createCharge(w http.ResponseWriter, r *http.Request) {
 			"The charge could not be recorded; retry with the same Idempotency-Key.")
 		return
 	}
-	w.Header().Set("Location", "/v1/charges/"+c.ID)
-	writeJSON(w, http.StatusCreated, c)
+	resp, err := chargeCreated(c)
+	if err != nil {
+		internalError(w, "encoding", err)
+		return
+	}
+	writeResponse(w, resp)
+}
+
+// recoverCharge is the Guard's Options.Recover. It runs, as the record's new
+// owner, when an attempt at a charge was abandoned: its instance died or
+// stalled past its lease somewhere between claiming the key and storing its
+// answer, so whether the card was charged is unknown to the service. The
+// gateway knows, under the operation's downstream key.
+func (a *api) recoverCharge(ctx context.Context) (idempotency.Response, error) {
+	key := idempotency.DownstreamKey(ctx, "gateway")
+	c, charged, err := a.gateway.lookup(ctx, key)
+	if err != nil {
+		// Neither charging again nor answering is safe without the
+		// gateway's word: the record stays abandoned for a later retry or
+		// sweep, and the client is told to retry (409). Logged here, since
+		// a sweep does not report a record it could not settle yet.
+		log.Printf("recover: %s: %v; left abandoned", key, err)
+		return idempotency.Response{}, fmt.Errorf("%w: %w", idempotency.ErrUnknown, err)
+	}
+	if !charged {
+		// The dead attempt never reached the gateway: release the record,
+		// and the handler runs now as for a first attempt.
+		log.Printf("recover: %s never charged; released for the handler to run", key)
+		idempotency.SetDisposition(ctx, idempotency.Release)
+		return idempotency.Response{}, nil
+	}
+	// The dead attempt charged, and may or may not have written the
+	// ledger. This attempt's token is greater than the dead one's, so this
+	// write goes through, and a stalled owner that wakes up later cannot
+	// overwrite it.
+	info, _ := idempotency.FromContext(ctx) // always there: the Guard runs the hook
+	if err := a.ledger.record(ctx, c, info.Token); err != nil {
+		return idempotency.Response{}, fmt.Errorf("ledger: %w", err)
+	}
+	log.Printf("recover: %s had charged %s; recorded it", key, c.ID)
+	return chargeCreated(c)
+}
+
+// chargeCreated is the answer to a charge the gateway made. The handler
+// sends it and the recovery hook stores it, so a client gets the same bytes
+// whichever of them settled the operation.
+func chargeCreated(c charge) (idempotency.Response, error) {
+	resp, err := jsonResponse(http.StatusCreated, c)
+	if err != nil {
+		return idempotency.Response{}, err
+	}
+	resp.Header.Set("Location", "/v1/charges/"+c.ID)
+	return resp, nil
 }
 
 // decodeChargeRequest reads exactly one JSON object with known fields and
@@ -144,14 +196,31 @@ func (a *api) gatewayStats(w http.ResponseWriter, r *http.Request) {
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
-	body, err := json.Marshal(v)
+	resp, err := jsonResponse(status, v)
 	if err != nil {
 		internalError(w, "encoding", err)
 		return
 	}
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	_, _ = w.Write(append(body, '\n'))
+	writeResponse(w, resp)
+}
+
+// jsonResponse is v encoded as the body of a JSON response.
+func jsonResponse(status int, v any) (idempotency.Response, error) {
+	body, err := json.Marshal(v)
+	if err != nil {
+		return idempotency.Response{}, err
+	}
+	return idempotency.Response{Status: status, Header: http.Header{"Content-Type": {"application/json"}},
+		Body: append(body, '\n')}, nil
+}
+
+// writeResponse sends resp as it is, which is how the middleware replays it.
+func writeResponse(w http.ResponseWriter, resp idempotency.Response) {
+	for name, vs := range resp.Header {
+		w.Header()[name] = vs
+	}
+	w.WriteHeader(resp.Status)
+	_, _ = w.Write(resp.Body)
 }
 
 // writeProblem answers with an RFC 9457 problem details object.

@@ -6,7 +6,7 @@
 //
 // Usage:
 //
-//	payments [-addr 127.0.0.1:8080] [-redis HOST:PORT | -postgres DSN] [-work 20ms] [-lease 0] [-wait 0]
+//	payments [-addr 127.0.0.1:8080] [-redis HOST:PORT | -postgres DSN] [-work 20ms] [-lease 0] [-wait 0] [-sweep 0]
 //
 // Without -redis or -postgres it runs on an embedded Redis (miniredis), which
 // no other process sees: fine for a try-out, not for several instances.
@@ -14,6 +14,17 @@
 // The gateway and the ledger live in the same database as the idempotency
 // records. The gateway deduplicates on its own idempotency key, which the
 // handler derives with idempotency.DownstreamKey, as a real provider would.
+//
+// An instance that dies between the gateway's charge and storing its answer
+// leaves the operation abandoned once its lease runs out. The recovery hook
+// (idempotency.Options.Recover) settles it without running the handler
+// blindly: it asks the gateway about the operation's downstream key, and
+// either records the charge that was made in the ledger and stores the very
+// 201 the handler would have sent, or, when nothing was charged, releases the
+// key so that the handler runs. A client's retry runs the hook; with
+// -sweep, each instance also runs it every interval on abandoned operations
+// that no client retries, so a charge made just before a crash reaches the
+// ledger anyway.
 package main
 
 import (
@@ -37,8 +48,8 @@ import (
 )
 
 type config struct {
-	addr, redis, postgres string
-	work, lease, wait     time.Duration
+	addr, redis, postgres    string
+	work, lease, wait, sweep time.Duration
 }
 
 func main() {
@@ -50,6 +61,7 @@ func main() {
 	flag.DurationVar(&cfg.work, "work", 20*time.Millisecond, "time the simulated gateway takes per call")
 	flag.DurationVar(&cfg.lease, "lease", 0, "the idempotency lease (0: the library's default)")
 	flag.DurationVar(&cfg.wait, "wait", 0, "how long a duplicate waits for the original (0: the library's default; negative: do not wait)")
+	flag.DurationVar(&cfg.sweep, "sweep", 0, "how often to settle abandoned operations no client retries (0: never)")
 	flag.Parse()
 	if err := run(cfg); err != nil {
 		log.Fatal(err)
@@ -65,8 +77,19 @@ func run(cfg config) error {
 		return err
 	}
 	defer b.close()
-	guard := idempotency.New(b.store, idempotency.Options{Lease: cfg.lease, WaitTimeout: cfg.wait})
 	a := &api{gateway: b.gateway, ledger: b.ledger}
+	guard := idempotency.New(b.store, idempotency.Options{Lease: cfg.lease, WaitTimeout: cfg.wait, Recover: a.recoverCharge})
+	if cfg.sweep > 0 {
+		sweepCtx, stopSweep := context.WithCancel(ctx)
+		swept := make(chan struct{})
+		go func() {
+			defer close(swept)
+			sweep(sweepCtx, guard, cfg.sweep)
+		}()
+		// Deferred after b.close, so it runs before it: the backends stay
+		// open until the sweeper is gone.
+		defer func() { stopSweep(); <-swept }()
+	}
 	srv := &http.Server{Handler: a.routes(guard), ReadHeaderTimeout: 10 * time.Second}
 
 	ln, err := net.Listen("tcp", cfg.addr)
@@ -87,6 +110,29 @@ func run(cfg config) error {
 	sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	return srv.Shutdown(sctx)
+}
+
+// sweep settles, every interval until ctx is done, up to 100 abandoned
+// operations at a time. Instances may all sweep: each record is settled by
+// one of them. A sweep cut short by shutdown is harmless: the record it was
+// settling stays abandoned for the next sweep or retry.
+func sweep(ctx context.Context, guard *idempotency.Guard, every time.Duration) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		n, err := guard.Sweep(ctx, 100)
+		if err != nil && ctx.Err() == nil {
+			log.Printf("sweep: %v", err)
+		}
+		if n > 0 {
+			log.Printf("sweep: settled %d abandoned operations", n)
+		}
+	}
 }
 
 // backends is the state every instance shares: the idempotency records, the

@@ -7,13 +7,18 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -23,6 +28,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/internal/testserver"
 )
 
@@ -226,24 +232,62 @@ func requireReplayOf(t *testing.T, original, r reply) {
 	}
 }
 
-// awaitGatewayCharge waits until the gateway has made a charge, which it
+// awaitGatewayCharges waits until the gateway has made n charges, which it
 // does at the start of a call, before its latency.
-func awaitGatewayCharge(t *testing.T, base string) {
+func awaitGatewayCharges(t *testing.T, base string, n int64) {
 	t.Helper()
 	require.Eventually(t, func() bool {
 		r, err := send(http.MethodGet, base+"/v1/gateway", "", nil)
 		var s gatewayStats
-		return err == nil && json.Unmarshal(r.body, &s) == nil && s.Charges >= 1
-	}, 10*time.Second, 10*time.Millisecond, "the gateway never made a charge")
+		return err == nil && json.Unmarshal(r.body, &s) == nil && s.Charges >= n
+	}, 10*time.Second, 10*time.Millisecond, "the gateway never made %d charges", n)
+}
+
+// awaitLedger waits until the ledger holds n charges and returns them.
+func awaitLedger(t *testing.T, base string, n int) []charge {
+	t.Helper()
+	var ledger []charge
+	require.Eventually(t, func() bool {
+		r, err := send(http.MethodGet, base+"/v1/charges", "", nil)
+		return err == nil && r.status == http.StatusOK && json.Unmarshal(r.body, &ledger) == nil && len(ledger) == n
+	}, 15*time.Second, 20*time.Millisecond, "the ledger never held %d charges", n)
+	return ledger
+}
+
+// gatewayCharges returns the charges the gateway made, read from Redis
+// rather than through the service under test.
+func gatewayCharges(t *testing.T, rs *testserver.Redis) []charge {
+	t.Helper()
+	made, err := rs.Client().HVals(t.Context(), gatewayChargesKey).Result()
+	require.NoError(t, err)
+	charges := make([]charge, len(made))
+	for i, m := range made {
+		require.NoError(t, json.Unmarshal([]byte(m), &charges[i]))
+	}
+	slices.SortFunc(charges, func(a, b charge) int { return strings.Compare(a.ID, b.ID) })
+	return charges
+}
+
+// requireCreated checks that r is, byte for byte, the 201 the handler sends
+// for c, marked replayed or not.
+func requireCreated(t *testing.T, r reply, c charge, replayed bool) {
+	t.Helper()
+	want, err := json.Marshal(c)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusCreated, r.status, "%s", r)
+	require.Equal(t, string(want)+"\n", string(r.body))
+	require.Equal(t, []string{"application/json"}, r.header.Values("Content-Type"))
+	require.Equal(t, []string{"/v1/charges/" + c.ID}, r.header.Values("Location"))
+	require.Equal(t, replayed, r.replayed(), "Idempotent-Replayed: %v", r.header)
 }
 
 // retryUntilCreated retries a charge as a client would: 409 (the original
 // still in flight) and 503 mean try again later; anything else ends it.
-func retryUntilCreated(t *testing.T, base, key string) reply {
+func retryUntilCreated(t *testing.T, base, key, body string) reply {
 	t.Helper()
 	deadline := time.Now().Add(15 * time.Second)
 	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
-		r, err := postCharge(base, key, "", chargeBody)
+		r, err := postCharge(base, key, "", body)
 		require.NoError(t, err)
 		if r.status != http.StatusConflict && r.status != http.StatusServiceUnavailable {
 			require.Equal(t, http.StatusCreated, r.status, "%s", r)
@@ -400,6 +444,9 @@ func requireOneService(t *testing.T, instances []*instance) {
 	for _, in := range instances {
 		assert.Equal(t, gatewayStats{Calls: 1 + keys, Charges: 1 + keys}, getJSON[gatewayStats](t, in.url+"/v1/gateway"))
 		assert.Len(t, getJSON[[]charge](t, in.url+"/v1/charges"), 1+keys)
+		// The instances sweep: beside live owners, a sweep neither fails
+		// nor settles anything.
+		assert.NotContains(t, in.stderr(), "sweep:")
 	}
 }
 
@@ -430,7 +477,7 @@ func TestInstancesOnRedisActAsOne(t *testing.T) {
 	r := testserver.StartRedis(t)
 	var instances []*instance
 	for range 3 {
-		instances = append(instances, start(t, "-redis", r.Addr))
+		instances = append(instances, start(t, "-redis", r.Addr, "-sweep", "50ms"))
 	}
 	requireOneService(t, instances)
 }
@@ -440,45 +487,270 @@ func TestInstancesOnPostgresActAsOne(t *testing.T) {
 	pg := testserver.StartPostgres(t)
 	var instances []*instance
 	for range 2 {
-		instances = append(instances, start(t, "-postgres", pg.DSN))
+		instances = append(instances, start(t, "-postgres", pg.DSN, "-sweep", "50ms"))
 	}
 	requireOneService(t, instances)
 }
 
+// killAfterCharging sends one charge per key to owner, each with its own
+// amount (100+i for keys[i]), and kills owner once the gateway has made
+// every charge: inside its -work latency, after the charges and before its
+// ledger writes.
+func killAfterCharging(t *testing.T, owner *instance, keys ...string) {
+	t.Helper()
+	sent := make([]<-chan result, len(keys))
+	for i, k := range keys {
+		sent[i] = inBackground(func() (reply, error) { return postCharge(owner.url, k, "", amountBody(100+i)) })
+	}
+	awaitGatewayCharges(t, owner.url, int64(len(keys)))
+	owner.kill(t)
+	for _, r := range sent {
+		require.Error(t, (<-r).err, "the killed instance answered")
+	}
+}
+
+func amountBody(amount int) string {
+	return fmt.Sprintf(`{"amount": %d, "currency": "eur", "source": "tok_visa"}`, amount)
+}
+
 // An owner killed after its gateway call made the charge, before it could
-// answer: a retry on another instance takes over once the lease runs out,
-// repeats the gateway call with the same downstream key, and so returns the
-// charge that was already made instead of making a second.
-func TestKilledOwnerIsTakenOver(t *testing.T) {
+// record it or answer: a client's retry on another instance takes over once
+// the lease runs out, and the recovery hook finds the charge at the gateway
+// under the operation's downstream key, records it and answers it, without
+// calling the gateway again.
+func TestKilledOwnerIsRecoveredByRetry(t *testing.T) {
 	t.Parallel()
 	rs := testserver.StartRedis(t)
 	a := start(t, "-redis", rs.Addr, "-work", "2s", "-lease", "1s")
 	b := start(t, "-redis", rs.Addr, "-lease", "1s")
 
-	orig := inBackground(func() (reply, error) { return postCharge(a.url, "crash", "", chargeBody) })
-	awaitGatewayCharge(t, b.url)
-	a.kill(t)
-	require.Error(t, (<-orig).err, "the killed instance answered")
+	killAfterCharging(t, a, "crash")
+	requireLedgerEmpty(t, rs)
+	made := gatewayCharges(t, rs)
+	require.Len(t, made, 1)
 
-	r := retryUntilCreated(t, b.url, "crash")
-	c := chargeOf(t, r)
-	assert.False(t, r.replayed())
-	made, err := rs.Client().HVals(t.Context(), gatewayChargesKey).Result()
-	require.NoError(t, err)
-	require.Len(t, made, 1, "the gateway made more than one charge")
-	var original charge
-	require.NoError(t, json.Unmarshal([]byte(made[0]), &original))
-	assert.Equal(t, original, c, "the takeover did not get the charge the killed owner made")
-	assert.Equal(t, gatewayStats{Calls: 2, Charges: 1}, getJSON[gatewayStats](t, b.url+"/v1/gateway"))
-	assert.Equal(t, []charge{c}, getJSON[[]charge](t, b.url+"/v1/charges"))
+	r := retryUntilCreated(t, b.url, "crash", amountBody(100))
+	requireCreated(t, r, made[0], true)
+	assert.Equal(t, made, gatewayCharges(t, rs), "the gateway made another charge")
+	assert.Equal(t, gatewayStats{Calls: 1, Charges: 1}, getJSON[gatewayStats](t, b.url+"/v1/gateway"))
+	assert.Equal(t, made, getJSON[[]charge](t, b.url+"/v1/charges"))
+	assert.Contains(t, b.stderr(), "had charged "+made[0].ID)
 
-	again, err := postCharge(b.url, "crash", "", chargeBody)
+	again, err := postCharge(b.url, "crash", "", amountBody(100))
 	require.NoError(t, err)
 	requireReplayOf(t, r, again)
 }
 
-// An owner stopped past its lease is taken over; when it continues, its
-// outcome is refused (fenced off), and everyone sees the takeover's answer.
+// An owner killed after the gateway charged, and a client that never
+// retries: another instance's sweeper settles the operation on its own,
+// recording the charge in the ledger and storing the handler's 201, which
+// a later request gets as a replay.
+func TestSweeperRecoversKilledOwner(t *testing.T) {
+	t.Parallel()
+	rs := testserver.StartRedis(t)
+	a := start(t, "-redis", rs.Addr, "-work", "2s", "-lease", "500ms")
+	killAfterCharging(t, a, "swept")
+	// Checked before any other instance runs: nothing else can have
+	// written the ledger yet.
+	requireLedgerEmpty(t, rs)
+	made := gatewayCharges(t, rs)
+	require.Len(t, made, 1)
+
+	b := start(t, "-redis", rs.Addr, "-lease", "500ms", "-sweep", "200ms")
+	// No charge request is sent until the sweeper reports the operation
+	// settled: the record is completed by the sweep alone.
+	assert.Equal(t, made, awaitLedger(t, b.url, 1))
+	awaitSettled(t, 1, b)
+	assert.Contains(t, b.stderr(), "had charged "+made[0].ID)
+
+	r, err := postCharge(b.url, "swept", "", amountBody(100))
+	require.NoError(t, err)
+	requireCreated(t, r, made[0], true)
+	assert.Equal(t, gatewayStats{Calls: 1, Charges: 1}, getJSON[gatewayStats](t, b.url+"/v1/gateway"))
+	assert.Equal(t, made, getJSON[[]charge](t, b.url+"/v1/charges"))
+}
+
+// requireLedgerEmpty checks, in Redis, that no charge was recorded.
+func requireLedgerEmpty(t *testing.T, rs *testserver.Redis) {
+	t.Helper()
+	n, err := rs.Client().HLen(t.Context(), ledgerKey).Result()
+	require.NoError(t, err)
+	require.Zero(t, n, "a charge was recorded: the owner was killed too late")
+}
+
+// awaitSettled waits until the sweepers have reported settling n operations
+// between them, and checks that they settled no more.
+func awaitSettled(t *testing.T, n int, sweepers ...*instance) {
+	t.Helper()
+	total := func() int {
+		sum := 0
+		for _, in := range sweepers {
+			sum += settledBy(in)
+		}
+		return sum
+	}
+	require.Eventually(t, func() bool { return total() >= n }, 15*time.Second, 20*time.Millisecond,
+		"the sweepers never reported settling %d operations", n)
+	require.Equal(t, n, total(), "operations settled")
+}
+
+// settledLine is what an instance logs after a sweep that settled records.
+var settledLine = regexp.MustCompile(`sweep: settled (\d+) `)
+
+// settledBy adds up the operations an instance reported it swept.
+func settledBy(in *instance) int {
+	n := 0
+	for _, m := range settledLine.FindAllStringSubmatch(in.stderr(), -1) {
+		i, _ := strconv.Atoi(m[1]) // \d+: a number
+		n += i
+	}
+	return n
+}
+
+// Two sweepers racing over several abandoned operations settle each one
+// exactly once: each charge is recovered by one hook run, on one of them,
+// and the gateway is never called again.
+func TestRacingSweepersSettleEachOnce(t *testing.T) {
+	t.Parallel()
+	rs := testserver.StartRedis(t)
+	a := start(t, "-redis", rs.Addr, "-work", "2s", "-lease", "500ms")
+	sweepers := []*instance{
+		start(t, "-redis", rs.Addr, "-lease", "500ms", "-sweep", "100ms"),
+		start(t, "-redis", rs.Addr, "-lease", "500ms", "-sweep", "100ms"),
+	}
+
+	keys := []string{"race-0", "race-1", "race-2", "race-3", "race-4"}
+	killAfterCharging(t, a, keys...)
+	made := gatewayCharges(t, rs)
+	require.Len(t, made, len(keys))
+	awaitSettled(t, len(keys), sweepers...)
+	assert.Equal(t, made, getJSON[[]charge](t, sweepers[0].url+"/v1/charges"))
+	logs := sweepers[0].stderr() + sweepers[1].stderr()
+	for _, c := range made {
+		assert.Equal(t, 1, strings.Count(logs, "had charged "+c.ID), "recoveries of %s", c.ID)
+	}
+
+	byAmount := map[int64]charge{}
+	for _, c := range made {
+		byAmount[c.Amount] = c
+	}
+	for i, k := range keys {
+		r, err := postCharge(sweepers[i%2].url, k, "", amountBody(100+i))
+		require.NoError(t, err)
+		requireCreated(t, r, byAmount[int64(100+i)], true)
+	}
+	assert.Equal(t, gatewayStats{Calls: int64(len(keys)), Charges: int64(len(keys))},
+		getJSON[gatewayStats](t, sweepers[1].url+"/v1/gateway"))
+	assert.Equal(t, made, getJSON[[]charge](t, sweepers[1].url+"/v1/charges"))
+}
+
+// crashedOwner is a Store through which a Guard claims records and then
+// loses every write, as an owner whose process dies right after its claim
+// would: the record stays in flight, attempt 1, until its lease runs out.
+type crashedOwner struct{ idempotency.Store }
+
+func (crashedOwner) Heartbeat(context.Context, idempotency.Key, uint64, time.Duration) error {
+	return nil
+}
+
+func (crashedOwner) Complete(context.Context, idempotency.Key, uint64, idempotency.Response, time.Duration) error {
+	return nil
+}
+
+func (crashedOwner) Release(context.Context, idempotency.Key, uint64, bool) error { return nil }
+
+// An operation abandoned before it reached the gateway: the recovery hook
+// finds no charge under its downstream key and releases the record, so the
+// client's retry runs the handler, which charges once.
+//
+// The dead owner is this test process rather than a killed instance, which
+// could only be killed before its gateway call by luck: the middleware over
+// crashedOwner claims the record exactly as an instance would (same scope,
+// key and fingerprint), runs a handler that does nothing, and never settles.
+func TestRecoveryRunsUnchargedOperation(t *testing.T) {
+	t.Parallel()
+	rs := testserver.StartRedis(t)
+	b := start(t, "-redis", rs.Addr, "-lease", "500ms")
+
+	store := idempotency.NewRedisStore(rs.Client(), idempotency.RedisOptions{})
+	t.Cleanup(func() { _ = store.Close() })
+	guard := idempotency.New(crashedOwner{store}, idempotency.Options{Lease: 500 * time.Millisecond})
+	accepted := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusAccepted) })
+	dead := httptest.NewServer(guard.Middleware(idempotency.MiddlewareOptions{})(accepted))
+	t.Cleanup(dead.Close)
+	r, err := postCharge(dead.URL, "uncharged", "", chargeBody)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusAccepted, r.status, "%s", r)
+	awaitAbandoned(t, store, "uncharged")
+
+	r, err = postCharge(b.url, "uncharged", "", chargeBody)
+	require.NoError(t, err)
+	made := gatewayCharges(t, rs)
+	require.Len(t, made, 1)
+	requireCreated(t, r, made[0], false)
+	assert.Equal(t, gatewayStats{Calls: 1, Charges: 1}, getJSON[gatewayStats](t, b.url+"/v1/gateway"))
+	assert.Equal(t, made, getJSON[[]charge](t, b.url+"/v1/charges"))
+	assert.Contains(t, b.stderr(), "never charged")
+
+	again, err := postCharge(b.url, "uncharged", "", chargeBody)
+	require.NoError(t, err)
+	requireReplayOf(t, r, again)
+}
+
+// awaitAbandoned waits until key's record is the one abandoned record.
+func awaitAbandoned(t *testing.T, store idempotency.Store, key string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		list, err := store.Abandoned(t.Context(), 10)
+		return err == nil && len(list) == 1 && list[0].Key == idempotency.Key{Name: key}
+	}, 5*time.Second, 20*time.Millisecond, "%s's record was never abandoned", key)
+}
+
+// When the gateway cannot say what became of an abandoned charge, the
+// recovery hook neither charges nor answers: the client gets 409 with
+// Retry-After, nothing is recorded, and the record stays abandoned until a
+// retry finds the gateway answering again.
+func TestRecoveryWithoutAnAnswerWaits(t *testing.T) {
+	t.Parallel()
+	rs := testserver.StartRedis(t)
+	a := start(t, "-redis", rs.Addr, "-work", "2s", "-lease", "500ms")
+	b := start(t, "-redis", rs.Addr, "-lease", "500ms")
+	killAfterCharging(t, a, "unknown")
+	made := gatewayCharges(t, rs)
+	require.Len(t, made, 1)
+
+	// The gateway's lookups fail: its charges are moved away, and a value
+	// HGET refuses (WRONGTYPE) stands in their place.
+	ctx, c := t.Context(), rs.Client()
+	require.NoError(t, c.Rename(ctx, gatewayChargesKey, gatewayChargesKey+":away").Err())
+	require.NoError(t, c.Set(ctx, gatewayChargesKey, "unreachable", 0).Err())
+	store := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
+	t.Cleanup(func() { _ = store.Close() })
+	awaitAbandoned(t, store, "unknown")
+
+	r, err := postCharge(b.url, "unknown", "", amountBody(100))
+	require.NoError(t, err)
+	assert.Equal(t, "https://pkg.go.dev/github.com/idempotency-go/idempotency#ErrInFlight", requireProblem(t, r, http.StatusConflict))
+	assert.Equal(t, "1", r.header.Get("Retry-After"))
+	assert.Regexp(t, `recover: idem_\S+: gateway: WRONGTYPE .*; left abandoned`, b.stderr())
+	requireLedgerEmpty(t, rs)
+	// At once, not after a lease: the hook gave the record up unsettled.
+	list, err := store.Abandoned(ctx, 10)
+	require.NoError(t, err)
+	require.Len(t, list, 1)
+	assert.Equal(t, idempotency.Key{Name: "unknown"}, list[0].Key)
+
+	require.NoError(t, c.Rename(ctx, gatewayChargesKey+":away", gatewayChargesKey).Err())
+	r, err = postCharge(b.url, "unknown", "", amountBody(100))
+	require.NoError(t, err)
+	requireCreated(t, r, made[0], true)
+	assert.Equal(t, gatewayStats{Calls: 1, Charges: 1}, getJSON[gatewayStats](t, b.url+"/v1/gateway"))
+	assert.Equal(t, made, getJSON[[]charge](t, b.url+"/v1/charges"))
+}
+
+// An owner stopped past its lease is taken over (the recovery hook finds its
+// charge at the gateway); when it continues, its outcome is refused (fenced
+// off), and everyone sees the takeover's answer.
 func TestStalledOwnerIsFencedOff(t *testing.T) {
 	t.Parallel()
 	rs := testserver.StartRedis(t)
@@ -486,10 +758,11 @@ func TestStalledOwnerIsFencedOff(t *testing.T) {
 	b := start(t, "-redis", rs.Addr, "-lease", "500ms")
 
 	orig := inBackground(func() (reply, error) { return postCharge(a.url, "stall", "", chargeBody) })
-	awaitGatewayCharge(t, b.url)
+	awaitGatewayCharges(t, b.url, 1)
 	a.signal(t, syscall.SIGSTOP)
-	r := retryUntilCreated(t, b.url, "stall")
+	r := retryUntilCreated(t, b.url, "stall", chargeBody)
 	c := chargeOf(t, r)
+	assert.True(t, r.replayed(), "the takeover ran the handler instead of recovering")
 	a.signal(t, syscall.SIGCONT)
 
 	var stale result
@@ -507,7 +780,7 @@ func TestStalledOwnerIsFencedOff(t *testing.T) {
 		require.NoError(t, err)
 		requireReplayOf(t, r, again)
 	}
-	assert.Equal(t, gatewayStats{Calls: 2, Charges: 1}, getJSON[gatewayStats](t, b.url+"/v1/gateway"))
+	assert.Equal(t, gatewayStats{Calls: 1, Charges: 1}, getJSON[gatewayStats](t, b.url+"/v1/gateway"))
 	assert.Equal(t, []charge{c}, getJSON[[]charge](t, a.url+"/v1/charges"))
 }
 
@@ -523,7 +796,7 @@ func TestLongHandlerKeepsItsLease(t *testing.T) {
 	b := start(t, "-redis", rs.Addr, "-lease", "1s", "-wait", "10s")
 
 	orig := inBackground(func() (reply, error) { return postCharge(a.url, "long", "", chargeBody) })
-	awaitGatewayCharge(t, b.url)
+	awaitGatewayCharges(t, b.url, 1)
 	dup, err := postCharge(b.url, "long", "", chargeBody)
 	require.NoError(t, err)
 	first := <-orig
