@@ -3,6 +3,7 @@ package testserver
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -17,9 +18,10 @@ import (
 
 const postgresHint = "install PostgreSQL server binaries (Debian/Ubuntu: apt-get install postgresql; macOS: brew install postgresql)"
 
-// Postgres is a PostgreSQL server owned by one test, with trust
-// authentication for the superuser "postgres". It is stopped and its data
-// directory removed when the test ends.
+// Postgres is a PostgreSQL server owned by one test (StartPostgres), or by
+// a program until it calls stop (LaunchPostgres), with trust authentication
+// for the superuser "postgres". It is stopped and its data directory removed
+// when the test ends, or by stop.
 type Postgres struct {
 	// DSN connects as postgres to the postgres database over TCP, e.g.
 	// "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable".
@@ -42,16 +44,56 @@ type Postgres struct {
 // pg_ctl -D <dir> -m immediate stop.
 func StartPostgres(t testing.TB) *Postgres {
 	t.Helper()
-	initdb := lookPostgresBinary(t, "initdb")
-	pgctl := lookPostgresBinary(t, "pg_ctl")
+	p, stop, err := launchPostgres(t.Logf)
+	if err != nil {
+		fail(t, err)
+	}
+	t.Cleanup(func() {
+		if err := stop(); err != nil {
+			t.Errorf("%v", err)
+		}
+	})
+	// Registered after the stop, so it runs first, while the log exists.
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("testserver: postgres %d log:\n%s", p.Port, readLog(p.logPath()))
+		}
+	})
+	return p
+}
+
+// LaunchPostgres is StartPostgres for a program that is not a test: missing
+// binaries or a failed start are returned as an error, and the server runs
+// until stop, which stops it and removes its data directory, is called. As
+// with StartPostgres, a program killed before it calls stop leaves the
+// server running.
+func LaunchPostgres() (p *Postgres, stop func() error, err error) {
+	return launchPostgres(func(string, ...any) {})
+}
+
+// launchPostgres does the work of StartPostgres. logf hears what stop had to
+// do when pg_ctl could not stop the server. On error no server runs and the
+// directory is gone.
+func launchPostgres(logf func(format string, args ...any)) (p *Postgres, stop func() error, err error) {
+	initdb, err := postgresBinary("initdb")
+	if err != nil {
+		return nil, nil, err
+	}
+	pgctl, err := postgresBinary("pg_ctl")
+	if err != nil {
+		return nil, nil, err
+	}
 
 	var asUser []string // command prefix that drops root
 	var uid, gid = -1, -1
 	if os.Geteuid() == 0 {
-		runuser := lookBinary(t, "runuser", "running as root, testserver needs it to run initdb as the postgres user (initdb refuses root); install util-linux")
+		runuser, err := findBinary("runuser", "running as root, testserver needs it to run initdb as the postgres user (initdb refuses root); install util-linux")
+		if err != nil {
+			return nil, nil, err
+		}
 		u, err := user.Lookup("postgres")
 		if err != nil {
-			unavailable(t, "testserver: running as root, and initdb refuses root, but there is no postgres user to run it as (%v); create one, e.g. useradd --system postgres", err)
+			return nil, nil, notInstalled(fmt.Sprintf("testserver: running as root, and initdb refuses root, but there is no postgres user to run it as (%v); create one, e.g. useradd --system postgres", err))
 		}
 		uid, _ = strconv.Atoi(u.Uid)
 		gid, _ = strconv.Atoi(u.Gid)
@@ -62,20 +104,21 @@ func StartPostgres(t testing.TB) *Postgres {
 	// user could not reach it.
 	dir, err := os.MkdirTemp(tempBase(uid), "testserver-pg-")
 	if err != nil {
-		t.Fatalf("testserver: %v", err)
+		return nil, nil, fmt.Errorf("testserver: %w", err)
 	}
-	t.Cleanup(func() {
+	removeDir := func() error {
 		if err := os.RemoveAll(dir); err != nil {
-			t.Errorf("testserver: removing %s: %v", dir, err)
+			return fmt.Errorf("testserver: removing %s: %w", dir, err)
 		}
-	})
+		return nil
+	}
 	if strings.ContainsAny(dir, "'\"\\ ") {
 		// pg_ctl hands -o to /bin/sh; a plain temp path needs no quoting.
-		t.Fatalf("testserver: temp dir %q needs shell quoting; set TMPDIR to a plain path", dir)
+		return nil, nil, errors.Join(fmt.Errorf("testserver: temp dir %q needs shell quoting; set TMPDIR to a plain path", dir), removeDir())
 	}
 	if uid >= 0 {
 		if err := os.Chown(dir, uid, gid); err != nil {
-			t.Fatalf("testserver: chown %s to postgres: %v", dir, err)
+			return nil, nil, errors.Join(fmt.Errorf("testserver: chown %s to postgres: %w", dir, err), removeDir())
 		}
 	}
 
@@ -84,7 +127,7 @@ func StartPostgres(t testing.TB) *Postgres {
 		defer cancel()
 		argv := append(append(append([]string{}, asUser...), bin), args...)
 		cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
-		// The postgres user may not be able to enter the test's working
+		// The postgres user may not be able to enter the caller's working
 		// directory; the data directory is its own.
 		cmd.Dir = dir
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
@@ -98,51 +141,53 @@ func StartPostgres(t testing.TB) *Postgres {
 	out, err := run(60*time.Second, initdb, "-D", dir, "-U", "postgres", "-A", "trust",
 		"--no-sync", "-E", "UTF8", "--locale=C")
 	if err != nil {
-		t.Fatalf("testserver: initdb: %v\n%s", err, tail(out, 8<<10))
+		return nil, nil, errors.Join(fmt.Errorf("testserver: initdb: %v\n%s", err, tail(out, 8<<10)), removeDir())
 	}
 
-	// Registered before the start so that a start that times out with the
-	// server half up is still cleaned; it runs before the RemoveAll above.
-	t.Cleanup(func() {
+	// Also run when a start fails, which may leave the server half up.
+	stop = func() error {
 		out, err := run(30*time.Second, pgctl, "-D", dir, "-m", "immediate", "-w", "stop")
 		if err != nil {
 			// pg_ctl stop failed (or nothing was running): kill whatever
 			// postmaster.pid still names.
 			if pid := postmasterPID(dir); pid > 0 {
 				if kerr := syscall.Kill(pid, syscall.SIGKILL); kerr == nil {
-					t.Logf("testserver: pg_ctl stop failed (%v: %s); killed postmaster %d", err, bytes.TrimSpace(out), pid)
+					logf("testserver: pg_ctl stop failed (%v: %s); killed postmaster %d", err, bytes.TrimSpace(out), pid)
 				}
 			}
 		}
-	})
+		return removeDir()
+	}
 
 	const attempts = 5
 	for attempt := 1; ; attempt++ {
-		port := freePorts(t, 1)[0]
-		logPath := filepath.Join(dir, fmt.Sprintf("postgres-%d.log", port))
-		opts := fmt.Sprintf("-p %d -k '%s' -c listen_addresses=127.0.0.1 -c fsync=off", port, dir)
-		out, err := run(60*time.Second, pgctl, "-D", dir, "-l", logPath, "-w", "-t", "30", "-o", opts, "start")
+		ports, err := freePorts(1)
+		if err != nil {
+			return nil, nil, errors.Join(err, stop())
+		}
+		p := &Postgres{
+			DSN:  fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", ports[0]),
+			Port: ports[0],
+			Dir:  dir,
+		}
+		opts := fmt.Sprintf("-p %d -k '%s' -c listen_addresses=127.0.0.1 -c fsync=off", p.Port, dir)
+		out, err := run(60*time.Second, pgctl, "-D", dir, "-l", p.logPath(), "-w", "-t", "30", "-o", opts, "start")
 		if err == nil {
-			err = waitPostgres(port)
+			err = waitPostgres(p.Port)
 		}
 		if err == nil {
-			p := &Postgres{
-				DSN:  fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port),
-				Port: port,
-				Dir:  dir,
-			}
-			t.Cleanup(func() {
-				if t.Failed() {
-					t.Logf("testserver: postgres %d log:\n%s", port, readLog(logPath))
-				}
-			})
-			return p
+			return p, stop, nil
 		}
-		log := readLog(logPath)
+		log := readLog(p.logPath())
 		if !strings.Contains(log, "Address already in use") || attempt == attempts {
-			t.Fatalf("testserver: pg_ctl start on port %d: %v\n%s\n%s", port, err, bytes.TrimSpace(out), log)
+			return nil, nil, errors.Join(fmt.Errorf("testserver: pg_ctl start on port %d: %v\n%s\n%s", p.Port, err, bytes.TrimSpace(out), log), stop())
 		}
 	}
+}
+
+// logPath is the server log of the run on p.Port.
+func (p *Postgres) logPath() string {
+	return filepath.Join(p.Dir, fmt.Sprintf("postgres-%d.log", p.Port))
 }
 
 // waitPostgres confirms over TCP what pg_ctl -w saw through postmaster.pid.

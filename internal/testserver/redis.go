@@ -20,19 +20,20 @@ import (
 
 const redisHint = "install Redis 7 (Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis)"
 
-// Redis is a redis-server process owned by one test. It is killed and its
-// directory removed when the test ends.
+// Redis is a redis-server process owned by one test (StartRedis), or by a
+// program until it calls stop (LaunchRedis). It is killed and its directory
+// removed when the test ends, or by stop.
 type Redis struct {
 	// Addr is "127.0.0.1:port"; it stays the same across Restart.
 	Addr string
 	// Port is the port part of Addr.
 	Port int
-	// Dir is the server's working directory (a t.TempDir). It survives Stop
-	// and Restart, so a cluster node keeps its nodes.conf and rejoins the
-	// cluster with the same identity.
+	// Dir is the server's working directory. It survives Stop and Restart,
+	// so a cluster node keeps its nodes.conf and rejoins the cluster with
+	// the same identity.
 	Dir string
 
-	t       testing.TB
+	t       testing.TB // nil for a server from LaunchRedis
 	bin     string
 	args    []string
 	logPath string
@@ -57,16 +58,31 @@ func StartRedis(t testing.TB, extraArgs ...string) *Redis {
 	return startRedis(t, 1, func([]int, string) []string { return extraArgs })
 }
 
-// startRedis starts a server using nports fresh ports (the first is the
-// client port); more gives the caller ports for, say, the cluster bus. extra
-// builds the arguments that depend on those ports and the directory. A bind
-// conflict, which happens when another process grabs a port between
-// freePorts and the server's bind, is retried with new ports.
+// LaunchRedis is StartRedis for a program that is not a test: a missing
+// redis-server or a failed start is returned as an error, and the server
+// runs until stop, which kills it and removes its directory, is called.
+// Methods that take a testing.TB report to the one they are given.
+func LaunchRedis(extraArgs ...string) (r *Redis, stop func() error, err error) {
+	dir, err := os.MkdirTemp("", "testserver-redis-")
+	if err != nil {
+		return nil, nil, fmt.Errorf("testserver: %w", err)
+	}
+	r, err = launchRedis(dir, 1, func([]int, string) []string { return extraArgs })
+	if err != nil {
+		return nil, nil, errors.Join(err, os.RemoveAll(dir))
+	}
+	return r, func() error { return errors.Join(r.kill(), os.RemoveAll(dir)) }, nil
+}
+
+// startRedis is launchRedis in a t.TempDir, owned by t.
 func startRedis(t testing.TB, nports int, extra func(ports []int, dir string) []string) *Redis {
 	t.Helper()
-	bin := lookBinary(t, "redis-server", redisHint)
 	dir := t.TempDir()
-	r := &Redis{t: t, bin: bin, Dir: dir}
+	r, err := launchRedis(dir, nports, extra)
+	if err != nil {
+		fail(t, err)
+	}
+	r.t = t
 	// Registered after t.TempDir, so it runs before the directory is
 	// removed: the server must be dead before its files go.
 	t.Cleanup(func() {
@@ -77,10 +93,27 @@ func startRedis(t testing.TB, nports int, extra func(ports []int, dir string) []
 			t.Logf("testserver: redis %s log:\n%s", r.Addr, readLog(r.logPath))
 		}
 	})
+	return r
+}
 
+// launchRedis starts a server in dir using nports fresh ports (the first is
+// the client port); more gives the caller ports for, say, the cluster bus.
+// extra builds the arguments that depend on those ports and the directory.
+// A bind conflict, which happens when another process grabs a port between
+// freePorts and the server's bind, is retried with new ports. On error no
+// server runs.
+func launchRedis(dir string, nports int, extra func(ports []int, dir string) []string) (*Redis, error) {
+	bin, err := findBinary("redis-server", redisHint)
+	if err != nil {
+		return nil, err
+	}
+	r := &Redis{bin: bin, Dir: dir}
 	const attempts = 5
 	for attempt := 1; ; attempt++ {
-		ports := freePorts(t, nports)
+		ports, err := freePorts(nports)
+		if err != nil {
+			return nil, err
+		}
 		r.Port = ports[0]
 		r.Addr = net.JoinHostPort("127.0.0.1", strconv.Itoa(r.Port))
 		r.logPath = filepath.Join(dir, fmt.Sprintf("redis-%d.log", r.Port))
@@ -96,12 +129,12 @@ func startRedis(t testing.TB, nports int, extra func(ports []int, dir string) []
 			// replicas take 5 s longer to come up.
 			"--repl-diskless-sync-delay", "0",
 		}, extra(ports, dir)...)
-		err := r.start()
+		err = r.start()
 		if err == nil {
-			return r
+			return r, nil
 		}
 		if !addrInUse(r.logPath) || attempt == attempts {
-			t.Fatalf("testserver: redis-server on %s did not start: %v\n%s", r.Addr, err, readLog(r.logPath))
+			return nil, fmt.Errorf("testserver: redis-server on %s did not start: %v\n%s", r.Addr, err, readLog(r.logPath))
 		}
 	}
 }
@@ -286,9 +319,12 @@ func (r *Redis) signal(t testing.TB, sig syscall.Signal) {
 }
 
 // Client returns a new go-redis client for Addr with default options. It is
-// closed when the test that started the server ends.
+// closed when the test that started the server ends; the caller closes the
+// client of a server from LaunchRedis.
 func (r *Redis) Client() *redis.Client {
 	c := redis.NewClient(&redis.Options{Addr: r.Addr})
-	r.t.Cleanup(func() { _ = c.Close() })
+	if r.t != nil {
+		r.t.Cleanup(func() { _ = c.Close() })
+	}
 	return c
 }

@@ -1,6 +1,7 @@
 // Package testserver starts throwaway real servers (redis-server, a Redis
 // Cluster, PostgreSQL) on free loopback ports for tests, and stops them when
-// the test ends.
+// the test ends. LaunchRedis and LaunchPostgres do the same for programs
+// that are not tests, such as the benchmark, and return errors instead.
 //
 // A missing server binary skips the test with a message naming the binary and
 // how to install it, unless IDEMPOTENCY_REQUIRE_SERVERS=1, in which case the
@@ -48,25 +49,62 @@ func unavailable(t testing.TB, format string, args ...any) {
 	t.Skipf("%s (skipping; set %s=1 to make this a failure)", msg, RequireEnv)
 }
 
-// lookBinary finds name on PATH. When it is missing, the test is skipped or
-// failed with a message naming it and hint.
-func lookBinary(t testing.TB, name, hint string) string {
+// notInstalled is the error of a binary or user that a server needs and the
+// machine lacks: a test skips on it (see unavailable), where any other
+// failure to start a server fails the test.
+type notInstalled string
+
+func (e notInstalled) Error() string { return string(e) }
+
+// fail ends the test for err, the error of a starter: a skip when err says
+// something is not installed (see unavailable), a failure otherwise.
+func fail(t testing.TB, err error) {
 	t.Helper()
+	var ni notInstalled
+	if errors.As(err, &ni) {
+		unavailable(t, "%s", ni)
+	}
+	t.Fatalf("%v", err)
+}
+
+// findBinary finds name on PATH, or says that it is not installed and how
+// to install it (hint).
+func findBinary(name, hint string) (string, error) {
 	p, err := exec.LookPath(name)
 	if err != nil {
-		unavailable(t, "testserver: %s not found on PATH; %s", name, hint)
+		return "", notInstalled(fmt.Sprintf("testserver: %s not found on PATH; %s", name, hint))
+	}
+	return p, nil
+}
+
+// lookBinary is findBinary for a test: a missing binary skips or fails it.
+func lookBinary(t testing.TB, name, hint string) string {
+	t.Helper()
+	p, err := findBinary(name, hint)
+	if err != nil {
+		fail(t, err)
 	}
 	return p
 }
 
-// lookPostgresBinary is lookBinary that also searches
+// postgresBinary is findBinary that also searches
 // /usr/lib/postgresql/*/bin (newest version first), because Debian's
 // PostgreSQL packages keep initdb and pg_ctl off PATH.
-func lookPostgresBinary(t testing.TB, name string) string {
-	t.Helper()
+func postgresBinary(name string) (string, error) {
 	p, err := findPostgresBinary(name)
 	if err != nil {
-		unavailable(t, "testserver: %s not found on PATH or in /usr/lib/postgresql/*/bin; %s", name, postgresHint)
+		return "", notInstalled(fmt.Sprintf("testserver: %s not found on PATH or in /usr/lib/postgresql/*/bin; %s", name, postgresHint))
+	}
+	return p, nil
+}
+
+// lookPostgresBinary is postgresBinary for a test: a missing binary skips or
+// fails it.
+func lookPostgresBinary(t testing.TB, name string) string {
+	t.Helper()
+	p, err := postgresBinary(name)
+	if err != nil {
+		fail(t, err)
 	}
 	return p
 }
@@ -114,18 +152,17 @@ func compareVersions(a, b string) int {
 // ago. All listeners stay open until every port is chosen, so the kernel
 // cannot hand out the same port twice; another process can still take one
 // before the server binds it, which is why the starters retry on EADDRINUSE.
-func freePorts(t testing.TB, n int) []int {
-	t.Helper()
+func freePorts(n int) ([]int, error) {
 	ports := make([]int, 0, n)
 	for range n {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
-			t.Fatalf("testserver: finding a free port: %v", err)
+			return nil, fmt.Errorf("testserver: finding a free port: %w", err)
 		}
 		defer l.Close()
 		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
 	}
-	return ports
+	return ports, nil
 }
 
 // newProcAttr puts the child in its own process group, so that killing the

@@ -96,6 +96,39 @@ func TestRedisCleanup(t *testing.T) {
 	assert.NoDirExists(t, dir)
 }
 
+// TestLaunch checks that the starters for programs run a server that
+// answers, and that stop leaves neither the process nor its directory.
+func TestLaunch(t *testing.T) {
+	// A missing binary skips, as for StartRedis; any other error fails.
+	requireLaunched := func(t *testing.T, err error) {
+		var ni notInstalled
+		if errors.As(err, &ni) {
+			fail(t, err)
+		}
+		require.NoError(t, err)
+	}
+	t.Run("redis", func(t *testing.T) {
+		r, stop, err := LaunchRedis()
+		requireLaunched(t, err)
+		c := r.Client()
+		defer c.Close()
+		require.NoError(t, c.Ping(context.Background()).Err())
+		pid := r.pid()
+		require.NoError(t, stop())
+		assert.False(t, processAlive(pid), "redis-server %d outlived stop", pid)
+		assert.NoDirExists(t, r.Dir)
+	})
+	t.Run("postgres", func(t *testing.T) {
+		p, stop, err := LaunchPostgres()
+		requireLaunched(t, err)
+		pid := postmasterPID(p.Dir)
+		require.NotZero(t, pid, "postmaster.pid names a live postgres")
+		require.NoError(t, stop())
+		assert.False(t, processAlive(pid), "postmaster %d outlived stop", pid)
+		assert.NoDirExists(t, p.Dir)
+	})
+}
+
 func TestCluster(t *testing.T) {
 	for _, tc := range []struct{ masters, replicas int }{{3, 0}, {3, 1}} {
 		t.Run(fmt.Sprintf("%dx%d", tc.masters, tc.replicas), func(t *testing.T) {
@@ -235,7 +268,8 @@ func TestFindBinaryPrefersNewestPostgres(t *testing.T) {
 }
 
 func TestFreePortsDistinct(t *testing.T) {
-	ports := freePorts(t, 20)
+	ports, err := freePorts(20)
+	require.NoError(t, err)
 	seen := map[int]bool{}
 	for _, p := range ports {
 		assert.False(t, seen[p], "port %d twice", p)

@@ -1,0 +1,211 @@
+package main
+
+import (
+	"context"
+	"math"
+	"math/bits"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// subBits sets the histogram's precision: 2^subBits buckets per power of two,
+// so a bucket is at most 1/64 (1.6 %) of its value wide.
+const subBits = 6
+
+// histogram counts latencies in nanoseconds: exactly below 128 ns, then in
+// 64 buckets per power of two. Recording is a few instructions and never
+// allocates, so measuring costs the same, next to nothing, in every row.
+type histogram [64 << subBits]uint64
+
+func bucketOf(ns uint64) int {
+	if ns < 2<<subBits {
+		return int(ns)
+	}
+	shift := bits.Len64(ns) - subBits - 1
+	return (shift+1)<<subBits + int(ns>>shift) - 1<<subBits
+}
+
+// bucketMid is the middle of bucket i, the value it stands for.
+func bucketMid(i int) float64 {
+	if i < 2<<subBits {
+		return float64(i)
+	}
+	shift := i>>subBits - 1
+	low := uint64(i&(1<<subBits-1)+1<<subBits) << shift
+	return float64(low) + float64(uint64(1)<<shift)/2
+}
+
+func (h *histogram) record(d time.Duration) { h[bucketOf(uint64(max(d, 0)))]++ }
+
+func (h *histogram) add(o *histogram) {
+	for i, n := range o {
+		h[i] += n
+	}
+}
+
+func (h *histogram) count() uint64 {
+	var n uint64
+	for _, c := range h {
+		n += c
+	}
+	return n
+}
+
+// quantile returns the q-quantile (0 < q <= 1) in microseconds, or NaN for
+// an empty histogram.
+func (h *histogram) quantile(q float64) float64 {
+	total := h.count()
+	if total == 0 {
+		return math.NaN()
+	}
+	rank := uint64(math.Ceil(q * float64(total)))
+	var seen uint64
+	for i, c := range h {
+		if seen += c; seen >= rank {
+			return bucketMid(i) / 1e3
+		}
+	}
+	panic("unreachable: rank exceeds the count")
+}
+
+// timedOp is one operation of a row; it reports how long the part worth
+// measuring took. w is the worker running it and i counts that worker's
+// operations from 0, so (w, i) is unique within a row.
+type timedOp func(ctx context.Context, w, i int) (time.Duration, error)
+
+// timed measures the whole of f, the same way for every row.
+func timed(f func(ctx context.Context, w, i int) error) timedOp {
+	return func(ctx context.Context, w, i int) (time.Duration, error) {
+		start := time.Now()
+		err := f(ctx, w, i)
+		return time.Since(start), err
+	}
+}
+
+// result is what one row measured.
+type result struct {
+	Name      string
+	Baseline  string // the row it is compared with, if any
+	Ops       uint64
+	Elapsed   time.Duration
+	Latency   histogram
+	Allocs    float64 // heap allocations per operation in this process
+	CPU       float64 // µs of this process's CPU per operation
+	ServerCPU float64 // µs of redis-server's CPU per operation; NaN if not known
+	Errors    uint64
+	FirstErr  error
+	Footnote  string
+	Skipped   string // why the row did not run
+}
+
+func (r *result) OpsPerSec() float64 {
+	if r.Elapsed <= 0 {
+		return 0
+	}
+	return float64(r.Ops) / r.Elapsed.Seconds()
+}
+
+// worker is one load goroutine's tally. Each is its own allocation, larger
+// than a cache line, so workers never share one.
+type worker struct {
+	lat   histogram
+	ops   atomic.Uint64 // read by the progress reporter while running
+	errs  uint64
+	first error
+}
+
+// cpuMeter reads the CPU time used so far by this process and by the
+// server; a negative server time means it cannot be known.
+type cpuMeter func() (self, server time.Duration)
+
+// load runs op on concurrency goroutines: for warm (scripts loaded, pools
+// filled, nothing recorded), then for dur, recording every operation that
+// ends in that window. progress is called now and then with the time spent
+// and the operations done so far.
+func load(ctx context.Context, concurrency int, warm, dur time.Duration, op timedOp, cpu cpuMeter, progress func(time.Duration, uint64)) result {
+	var measuring, stop atomic.Bool
+	workers := make([]*worker, concurrency)
+	var wg sync.WaitGroup
+	for w := range workers {
+		wk := &worker{}
+		workers[w] = wk
+		wg.Go(func() {
+			for i := 0; !stop.Load(); i++ {
+				d, err := op(ctx, w, i)
+				if !measuring.Load() {
+					continue
+				}
+				if err != nil {
+					if wk.errs++; wk.first == nil {
+						wk.first = err
+					}
+					continue
+				}
+				wk.lat.record(d)
+				wk.ops.Add(1)
+			}
+		})
+	}
+	sleep(ctx, warm)
+
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	self0, server0 := cpu()
+	measuring.Store(true)
+	start := time.Now()
+	tick := time.NewTicker(250 * time.Millisecond)
+	for end := start.Add(dur); ctx.Err() == nil; {
+		left := time.Until(end)
+		if left <= 0 {
+			break
+		}
+		select {
+		case <-tick.C:
+			var n uint64
+			for _, wk := range workers {
+				n += wk.ops.Load()
+			}
+			progress(time.Since(start), n)
+		case <-time.After(left):
+		case <-ctx.Done():
+		}
+	}
+	tick.Stop()
+	measuring.Store(false)
+	elapsed := time.Since(start)
+	self1, server1 := cpu()
+	runtime.ReadMemStats(&after)
+	stop.Store(true)
+	wg.Wait()
+
+	r := result{Elapsed: elapsed}
+	for _, wk := range workers {
+		r.Latency.add(&wk.lat)
+		r.Ops += wk.ops.Load()
+		r.Errors += wk.errs
+		if r.FirstErr == nil {
+			r.FirstErr = wk.first
+		}
+	}
+	r.ServerCPU = math.NaN()
+	if r.Ops > 0 {
+		r.Allocs = float64(after.Mallocs-before.Mallocs) / float64(r.Ops)
+		r.CPU = float64((self1 - self0).Microseconds()) / float64(r.Ops)
+		if server0 >= 0 && server1 >= 0 {
+			r.ServerCPU = float64((server1 - server0).Microseconds()) / float64(r.Ops)
+		}
+	}
+	return r
+}
+
+// sleep waits for d or until ctx is done.
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	}
+}

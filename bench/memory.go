@@ -1,0 +1,184 @@
+package main
+
+import (
+	"bytes"
+	"compress/gzip"
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idempotency-go/idempotency"
+)
+
+// recordMemory is what Redis holds for one completed record.
+type recordMemory struct {
+	Body  int // response body bytes
+	Usage int64
+}
+
+func (m recordMemory) Overhead() int64 { return m.Usage - int64(m.Body) }
+
+// recordMemory completes one operation whose response has a JSON body of
+// size bytes, and returns MEMORY USAGE of its record. Run it on an empty
+// keyspace: it finds the record by SCAN, which visits every key.
+func (e *env) recordMemory(ctx context.Context, size int) (recordMemory, error) {
+	prefix := fmt.Sprintf("benchmem%d-%s:", size, e.run)
+	s := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{Prefix: prefix})
+	defer s.Close()
+	resp := idempotency.Response{
+		Status: http.StatusCreated,
+		Header: http.Header{"Content-Type": {"application/json"}},
+		Body:   jsonBody(size),
+	}
+	_, err := idempotency.New(s, idempotency.Options{}).Do(ctx, idempotency.Key{Name: "record"}, fp,
+		func(context.Context) (idempotency.Response, error) { return resp, nil })
+	if err != nil {
+		return recordMemory{}, err
+	}
+	key, err := findRecord(ctx, e.redis, prefix+"*:record")
+	if err != nil {
+		return recordMemory{}, err
+	}
+	// SAMPLES 0: every field, not an estimate from five.
+	usage, err := e.redis.MemoryUsage(ctx, key, 0).Result()
+	return recordMemory{Body: size, Usage: usage}, err
+}
+
+// findRecord returns the one key that matches, on every master of a cluster.
+func findRecord(ctx context.Context, c redis.UniversalClient, match string) (string, error) {
+	var mu sync.Mutex
+	var found []string
+	scan := func(ctx context.Context, c *redis.Client) error {
+		it := c.Scan(ctx, 0, match, 1000).Iterator()
+		for it.Next(ctx) {
+			mu.Lock()
+			found = append(found, it.Val())
+			mu.Unlock()
+		}
+		return it.Err()
+	}
+	var err error
+	switch c := c.(type) {
+	case *redis.ClusterClient:
+		err = c.ForEachMaster(ctx, scan)
+	case *redis.Client:
+		err = scan(ctx, c)
+	default:
+		return "", fmt.Errorf("cannot scan a %T", c)
+	}
+	if err == nil && len(found) != 1 {
+		err = fmt.Errorf("%d keys match %s, want 1", len(found), match)
+	}
+	if err != nil {
+		return "", err
+	}
+	return found[0], nil
+}
+
+var (
+	currencies = []string{"eur", "usd", "gbp", "chf", "sek"}
+	statuses   = []string{"succeeded", "pending", "failed", "refunded"}
+	words      = strings.Fields("invoice order subscription renewal monthly annual plan pro team seats " +
+		"shipping express standard warehouse berlin paris london zurich stockholm customer account " +
+		"payment transfer refund partial adjustment credit note tax vat reverse charge discount coupon")
+)
+
+// jsonBody returns a JSON document of exactly size bytes (at least 64)
+// shaped like a payments API's list: random ids, amounts, currencies,
+// timestamps and short descriptions, so that it compresses as such a
+// response would. It is the same on every run.
+func jsonBody(size int) []byte {
+	rng := rand.New(rand.NewPCG(1, uint64(size)))
+	pickOf := func(s []string) string { return s[rng.IntN(len(s))] }
+	id := func() string {
+		const alphabet = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+		b := make([]byte, 24)
+		for i := range b {
+			b[i] = alphabet[rng.IntN(len(alphabet))]
+		}
+		return string(b)
+	}
+	const head, tail = `{"object":"list","data":[`, `],"memo":"`
+	b := []byte(head)
+	for n := 0; ; n++ {
+		item := fmt.Sprintf(`{"id":"txn_%s","amount":%d,"currency":"%s","status":"%s","created":%d,"description":"%s %s %d"}`,
+			id(), rng.IntN(1000000), pickOf(currencies), pickOf(statuses), 1767225600+rng.IntN(10000000),
+			pickOf(words), pickOf(words), rng.IntN(100000))
+		if len(b)+1+len(item)+len(tail)+2 > size {
+			break
+		}
+		if n > 0 {
+			b = append(b, ',')
+		}
+		b = append(b, item...)
+	}
+	b = append(b, tail...)
+	for len(b) < size-2 {
+		b = append(b, pickOf(words)...)
+		b = append(b, ' ')
+	}
+	return append(b[:size-2], `"}`...)
+}
+
+// compression is what gzip at one level does to a body.
+type compression struct {
+	Name       string
+	Size       int           // compressed bytes
+	Compress   time.Duration // per body, one core, writer reused
+	Decompress time.Duration // per body, one core, reader reused
+}
+
+// gzipCost compresses and decompresses body repeatedly at the fastest and
+// the default level.
+func gzipCost(body []byte) ([]compression, error) {
+	const reps = 300
+	var out []compression
+	for _, level := range []struct {
+		name  string
+		level int
+	}{{"level 1 (fastest)", gzip.BestSpeed}, {"level 6 (default)", gzip.DefaultCompression}} {
+		var buf bytes.Buffer
+		zw, err := gzip.NewWriterLevel(&buf, level.level)
+		if err != nil {
+			return nil, err
+		}
+		start := time.Now()
+		for range reps {
+			buf.Reset()
+			zw.Reset(&buf)
+			if _, err := zw.Write(body); err != nil {
+				return nil, err
+			}
+			if err := zw.Close(); err != nil {
+				return nil, err
+			}
+		}
+		c := compression{Name: level.name, Size: buf.Len(), Compress: time.Since(start) / reps}
+
+		zipped := bytes.NewReader(buf.Bytes())
+		zr, err := gzip.NewReader(zipped)
+		if err != nil {
+			return nil, err
+		}
+		start = time.Now()
+		for range reps {
+			zipped.Reset(buf.Bytes())
+			if err := zr.Reset(zipped); err != nil {
+				return nil, err
+			}
+			if _, err := io.Copy(io.Discard, zr); err != nil {
+				return nil, err
+			}
+		}
+		c.Decompress = time.Since(start) / reps
+		out = append(out, c)
+	}
+	return out, nil
+}

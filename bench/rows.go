@@ -1,0 +1,408 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idempotency-go/idempotency"
+)
+
+// row is one line of the table.
+type row struct {
+	name     string
+	baseline string // the row whose throughput this one is compared with
+	// concurrency overrides the -concurrency flag when non-zero.
+	concurrency int
+	footnote    string
+	// prepare readies the row (records to replay, say) and returns the
+	// operation to run; a skipped error means the row cannot run here.
+	prepare func(ctx context.Context) (timedOp, error)
+}
+
+// skipped says why a row cannot run here.
+type skipped string
+
+func (s skipped) Error() string { return string(s) }
+
+func (e *env) rows() []row {
+	const (
+		one, two, bareHTTP = "baseline/one-roundtrip", "baseline/two-roundtrips", "baseline/http"
+	)
+	return []row{
+		{name: one, prepare: e.oneRoundTrip},
+		{name: two, prepare: e.twoRoundTrips},
+		{name: "redis/new-operation", baseline: two, prepare: e.newOperation("redis", e.redisGuard, "")},
+		{name: "redis/replay", baseline: one, prepare: e.replay("redis", e.redisGuard, "")},
+		{name: bareHTTP, prepare: e.httpRow("/bare", "http-bare-"),
+			footnote: "the same server and client without the middleware"},
+		{name: "redis/http-new-operation", baseline: bareHTTP, prepare: e.httpRow("/guarded", "http-new-")},
+		{name: "redis/http-replay", baseline: bareHTTP, prepare: e.httpReplay},
+		{name: "redis/wake-up", concurrency: 1, prepare: e.wakeUp,
+			footnote: "one waiter at a time; from just before the owner's Complete until the waiter's Do returns"},
+		{name: "postgres/new-operation", baseline: two, prepare: e.newOperation("postgres", e.pgGuard, e.pgSkip)},
+		{name: "postgres/replay", baseline: one, prepare: e.replay("postgres", e.pgGuard, e.pgSkip)},
+		{name: "memory/new-operation", baseline: two, prepare: e.newOperation("memory", e.memGuard, "")},
+		{name: "memory/replay", baseline: one, prepare: e.replay("memory", e.memGuard, "")},
+	}
+}
+
+// Every Guard row claims with one fingerprint and completes with one small
+// response: fingerprinting is measured by the go test benchmarks.
+var (
+	fp          = idempotency.FingerprintOf("bench", requestBody)
+	requestBody = []byte(`{"amount":1000,"currency":"eur","customer":"cus_42"}`)
+	created     = idempotency.Response{
+		Status: http.StatusCreated,
+		Header: http.Header{"Content-Type": {"application/json"}},
+		Body:   []byte(`{"id":"ch_1","status":"succeeded"}`),
+	}
+)
+
+func create(context.Context) (idempotency.Response, error) { return created, nil }
+
+// freshKey names a key no other operation uses: w and i are unique within a
+// row, prefix is unique to the row and starts with the run's id. Baseline
+// and library rows build their keys the same way, at the same cost.
+func freshKey(prefix string, w, i int) string {
+	var b [64]byte
+	k := append(b[:0], prefix...)
+	k = strconv.AppendInt(k, int64(w), 10)
+	k = append(k, '-')
+	k = strconv.AppendInt(k, int64(i), 10)
+	return string(k)
+}
+
+// replayKeys is how many completed records a replay row spreads its reads
+// over.
+const replayKeys = 1024
+
+func keyNames(prefix string) []string {
+	names := make([]string, replayKeys)
+	for n := range names {
+		names[n] = prefix + strconv.Itoa(n)
+	}
+	return names
+}
+
+// pick chooses which of replayKeys records worker w reads in its i-th
+// operation, so that workers do not walk the records in step.
+func pick(w, i int) int { return (w*131 + i) % replayKeys }
+
+// each runs f for every n in [0, count) on concurrency goroutines and
+// returns the first error.
+func each(ctx context.Context, count, concurrency int, f func(ctx context.Context, n int) error) error {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	next := make(chan int)
+	var wg sync.WaitGroup
+	for range min(concurrency, count) {
+		wg.Go(func() {
+			for n := range next {
+				if err := f(ctx, n); err != nil {
+					cancel(err)
+				}
+			}
+		})
+	}
+	for n := range count {
+		select {
+		case next <- n:
+		case <-ctx.Done():
+		}
+	}
+	close(next)
+	wg.Wait()
+	return context.Cause(ctx)
+}
+
+// setNX is the baseline: one trivial script, run like the library's,
+// through go-redis Script (EVALSHA).
+var setNX = redis.NewScript(`if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end return 0`)
+
+func (e *env) runSetNX(ctx context.Context, key string) error {
+	return setNX.Run(ctx, e.redis, []string{key}, "v", 600000).Err()
+}
+
+// oneRoundTrip is the floor of a replay: one script on one of a set of
+// existing keys.
+func (e *env) oneRoundTrip(ctx context.Context) (timedOp, error) {
+	keys := keyNames(e.run + "base1-")
+	err := each(ctx, len(keys), e.concurrency, func(ctx context.Context, n int) error { return e.runSetNX(ctx, keys[n]) })
+	return timed(func(ctx context.Context, w, i int) error { return e.runSetNX(ctx, keys[pick(w, i)]) }), err
+}
+
+// twoRoundTrips is the floor of a new operation: two scripts in sequence
+// on a fresh key, the first creating it.
+func (e *env) twoRoundTrips(context.Context) (timedOp, error) {
+	prefix := e.run + "base2-"
+	return timed(func(ctx context.Context, w, i int) error {
+		k := freshKey(prefix, w, i)
+		if err := e.runSetNX(ctx, k); err != nil {
+			return err
+		}
+		return e.runSetNX(ctx, k)
+	}), nil
+}
+
+// newOperation runs Guard.Do on fresh keys: claim, run, complete.
+func (e *env) newOperation(store string, g *idempotency.Guard, skip string) func(context.Context) (timedOp, error) {
+	return func(context.Context) (timedOp, error) {
+		if g == nil {
+			return nil, skipped(skip)
+		}
+		prefix := e.run + store + "-new-"
+		return timed(func(ctx context.Context, w, i int) error {
+			r, err := g.Do(ctx, idempotency.Key{Name: freshKey(prefix, w, i)}, fp, create)
+			if err == nil && r.Replayed {
+				err = errors.New("a fresh key was replayed")
+			}
+			return err
+		}), nil
+	}
+}
+
+// replay runs Guard.Do on completed keys.
+func (e *env) replay(store string, g *idempotency.Guard, skip string) func(context.Context) (timedOp, error) {
+	return func(ctx context.Context) (timedOp, error) {
+		if g == nil {
+			return nil, skipped(skip)
+		}
+		keys := keyNames(e.run + store + "-replay-")
+		err := each(ctx, len(keys), e.concurrency, func(ctx context.Context, n int) error {
+			_, err := g.Do(ctx, idempotency.Key{Name: keys[n]}, fp, create)
+			return err
+		})
+		return timed(func(ctx context.Context, w, i int) error {
+			r, err := g.Do(ctx, idempotency.Key{Name: keys[pick(w, i)]}, fp, create)
+			if err == nil && !r.Replayed {
+				err = errors.New("a completed key ran again")
+			}
+			return err
+		}), err
+	}
+}
+
+// handle is the HTTP rows' handler: it reads the request and creates.
+func handle(w http.ResponseWriter, r *http.Request) {
+	_, _ = io.Copy(io.Discard, r.Body)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(created.Status)
+	_, _ = w.Write(created.Body)
+}
+
+// post sends the benchmark's request to path under key and checks the
+// answer: 201, replayed or not as wanted.
+func (e *env) post(ctx context.Context, path, key string, replayed bool) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.httpURL+path, bytes.NewReader(requestBody))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set(idempotency.HeaderKey, key)
+	resp, err := e.http.Do(req)
+	if err != nil {
+		return err
+	}
+	_, err = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	switch {
+	case err != nil:
+		return err
+	case resp.StatusCode != created.Status:
+		return fmt.Errorf("POST %s: status %d", path, resp.StatusCode)
+	case (resp.Header.Get(idempotency.HeaderReplayed) == "true") != replayed:
+		return fmt.Errorf("POST %s: %s %q, want replayed %v", path, idempotency.HeaderReplayed, resp.Header.Get(idempotency.HeaderReplayed), replayed)
+	}
+	return nil
+}
+
+// httpRow posts to path with fresh keys.
+func (e *env) httpRow(path, prefix string) func(context.Context) (timedOp, error) {
+	return func(context.Context) (timedOp, error) {
+		prefix := e.run + prefix
+		return timed(func(ctx context.Context, w, i int) error {
+			return e.post(ctx, path, freshKey(prefix, w, i), false)
+		}), nil
+	}
+}
+
+// httpReplay posts requests whose records the middleware completed.
+func (e *env) httpReplay(ctx context.Context) (timedOp, error) {
+	keys := keyNames(e.run + "http-replay-")
+	err := each(ctx, len(keys), e.concurrency, func(ctx context.Context, n int) error {
+		return e.post(ctx, "/guarded", keys[n], false)
+	})
+	return timed(func(ctx context.Context, w, i int) error {
+		return e.post(ctx, "/guarded", keys[pick(w, i)], true)
+	}), err
+}
+
+// waker makes the wake-up samples: an owner claims a fresh key through the
+// store, a duplicate waits in Guard.Do, and the owner completes.
+type waker struct {
+	ownerClient redis.UniversalClient // one connection, so MONITOR can tell the owner apart
+	owner       *idempotency.RedisStore
+	waiter      *idempotency.Guard
+	registered  chan struct{}
+}
+
+// watchSignal tells when a waiter's watching claim found the record in
+// flight: from then on the owner's completion publishes a wake-up.
+type watchSignal struct {
+	idempotency.Store
+	registered chan struct{}
+}
+
+func (s watchSignal) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.Claim, error) {
+	c, err := s.Store.Claim(ctx, req)
+	if err == nil && req.Watch && c.State == idempotency.InFlight {
+		select {
+		case s.registered <- struct{}{}:
+		default:
+		}
+	}
+	return c, err
+}
+
+func (e *env) newWaker() *waker {
+	oc := e.newRedisClient(1)
+	owner := idempotency.NewRedisStore(oc, idempotency.RedisOptions{})
+	waits := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{})
+	e.closers = append(e.closers, oc.Close, owner.Close, waits.Close)
+	registered := make(chan struct{}, 1)
+	// No re-check timer during a sample: the waiter is woken by pub/sub or
+	// not at all.
+	g := idempotency.New(watchSignal{waits, registered}, idempotency.Options{RecheckInterval: time.Minute, WaitTimeout: 10 * time.Second})
+	return &waker{ownerClient: oc, owner: owner, waiter: g, registered: registered}
+}
+
+func (e *env) wakeUp(context.Context) (timedOp, error) {
+	wk := e.newWaker()
+	prefix := e.run + "wake-"
+	return func(ctx context.Context, w, i int) (time.Duration, error) {
+		return wk.sample(ctx, freshKey(prefix, w, i))
+	}, nil
+}
+
+// sample returns the time from just before the owner's Complete until the
+// waiting duplicate's Do returned the replay.
+func (wk *waker) sample(ctx context.Context, name string) (time.Duration, error) {
+	k := idempotency.Key{Name: name}
+	c, err := wk.owner.Claim(ctx, idempotency.ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op_bench", Lease: time.Minute, Retention: time.Hour})
+	if err != nil {
+		return 0, err
+	}
+	if c.State != idempotency.Owner {
+		return 0, fmt.Errorf("fresh key %s: claim state %d", name, c.State)
+	}
+	select {
+	case <-wk.registered: // left over from an earlier sample's spurious wake-up
+	default:
+	}
+	type returned struct {
+		at  time.Time
+		res idempotency.Result
+		err error
+	}
+	done := make(chan returned, 1)
+	go func() {
+		res, err := wk.waiter.Do(ctx, k, fp, func(context.Context) (idempotency.Response, error) {
+			return idempotency.Response{}, errors.New("the duplicate ran")
+		})
+		done <- returned{time.Now(), res, err}
+	}()
+	select {
+	case <-wk.registered:
+	case r := <-done:
+		return 0, fmt.Errorf("the duplicate returned before it waited: %v", r.err)
+	}
+	start := time.Now()
+	err = wk.owner.Complete(ctx, k, c.Token, created, time.Hour)
+	r := <-done // within the wait timeout, even if Complete failed
+	switch {
+	case err != nil:
+		return 0, err
+	case r.err != nil:
+		return 0, r.err
+	case !r.res.Replayed:
+		return 0, errors.New("the duplicate did not replay")
+	}
+	return r.at.Sub(start), nil
+}
+
+// waiterCommands counts, with MONITOR, the commands one waiting request
+// sends to Redis: not the owner's, not those its scripts run, not
+// connection handshakes.
+func (e *env) waiterCommands(ctx context.Context) (map[string]int, error) {
+	wk := e.newWaker()
+	info, err := wk.ownerClient.Do(ctx, "CLIENT", "INFO").Text()
+	if err != nil {
+		return nil, err
+	}
+	var owner string
+	for _, f := range strings.Fields(info) {
+		if a, ok := strings.CutPrefix(f, "addr="); ok {
+			owner = a
+		}
+	}
+
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "tcp", e.monitorAddr)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	if err := conn.SetDeadline(time.Now().Add(30 * time.Second)); err != nil {
+		return nil, err
+	}
+	r := bufio.NewReader(conn)
+	if _, err := conn.Write([]byte("MONITOR\r\n")); err != nil {
+		return nil, err
+	}
+	if ok, err := r.ReadString('\n'); err != nil || ok != "+OK\r\n" {
+		return nil, fmt.Errorf("MONITOR answered %q: %v", ok, err)
+	}
+	if _, err := wk.sample(ctx, e.run+"wake-count"); err != nil {
+		return nil, err
+	}
+	// The waiter's UNSUBSCRIBE went out on another connection than the
+	// marker will: give Redis a moment to read it first.
+	sleep(ctx, 50*time.Millisecond)
+	marker := fmt.Sprintf("end-of-count-%d", time.Now().UnixNano())
+	if err := e.redis.Echo(ctx, marker).Err(); err != nil {
+		return nil, err
+	}
+	counts := map[string]int{}
+	for {
+		// 1700000000.123456 [0 127.0.0.1:50244] "evalsha" "..." ...
+		line, err := r.ReadString('\n')
+		if err != nil {
+			return nil, err
+		}
+		if strings.Contains(line, marker) {
+			return counts, nil
+		}
+		_, rest, _ := strings.Cut(line, "[")
+		client, cmd, ok := strings.Cut(rest, "] \"")
+		if !ok || strings.HasSuffix(client, " lua") || strings.HasSuffix(client, " "+owner) {
+			continue
+		}
+		switch name := strings.ToLower(cmd[:strings.IndexByte(cmd, '"')]); name {
+		case "hello", "client", "ping":
+		default:
+			counts[name]++
+		}
+	}
+}

@@ -1,0 +1,143 @@
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-go/idempotency/internal/testserver"
+)
+
+// Benchmarks of the hot paths: go test -run '^$' -bench . -benchmem
+// The end-to-end figures come from go run ./bench.
+
+// benchBody is a JSON request body of 1 KiB or a little more.
+func benchBody() []byte {
+	b := []byte(`{"currency":"eur","customer":"cus_9s6XKzkNRiz8i3","items":[`)
+	for i := 0; len(b) < 1000; i++ {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = fmt.Appendf(b, `{"sku":"sku_%06d","quantity": %d, "amount":%d.00}`, i*7919, i%5+1, i*137%10000)
+	}
+	return append(b, "]}"...)
+}
+
+func BenchmarkFingerprint(b *testing.B) {
+	body := benchBody()
+	b.Run("request", func(b *testing.B) {
+		r := httptest.NewRequest(http.MethodPost, "/v1/charges", nil)
+		r.Header.Set("Content-Type", "application/json")
+		b.SetBytes(int64(len(body)))
+		b.ReportAllocs()
+		for b.Loop() {
+			requestFingerprint(r, body, nil)
+		}
+	})
+	b.Run("FingerprintOf", func(b *testing.B) {
+		b.SetBytes(int64(len(body)))
+		b.ReportAllocs()
+		for b.Loop() {
+			FingerprintOf("charge", body)
+		}
+	})
+}
+
+// benchResponse is a typical stored response: a few header fields and a
+// 1 KiB body.
+func benchResponse() Response {
+	return Response{
+		Status: http.StatusCreated,
+		Header: http.Header{
+			"Content-Type": {"application/json"},
+			"Location":     {"/v1/charges/ch_3MmlLrLkdIwHu7ix0snN0B15"},
+			"X-Request-Id": {"req_0d8f0c1b7a3e4d2f"},
+		},
+		Body: benchBody(),
+	}
+}
+
+func BenchmarkResponseMarshal(b *testing.B) {
+	r := benchResponse()
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := r.MarshalBinary(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkResponseUnmarshal(b *testing.B) {
+	enc, err := benchResponse().MarshalBinary()
+	require.NoError(b, err)
+	b.ReportAllocs()
+	for b.Loop() {
+		var r Response
+		if err := r.UnmarshalBinary(enc); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkRedisClaim is Guard.Do replaying a completed record: one claim
+// script, one round trip.
+func BenchmarkRedisClaim(b *testing.B) {
+	replay := func(b *testing.B, c redis.UniversalClient) {
+		s := NewRedisStore(c, RedisOptions{})
+		b.Cleanup(func() { s.Close() })
+		g := New(s, Options{})
+		k, fp := Key{Name: "replayed"}, FingerprintOf("charge", benchBody())
+		fn := func(context.Context) (Response, error) { return benchResponse(), nil }
+		_, err := g.Do(context.Background(), k, fp, fn)
+		require.NoError(b, err)
+		b.ReportAllocs()
+		for b.Loop() {
+			r, err := g.Do(context.Background(), k, fp, fn)
+			if err != nil || !r.Replayed {
+				b.Fatalf("replay: %v, replayed %v", err, r.Replayed)
+			}
+		}
+	}
+	b.Run("miniredis", func(b *testing.B) {
+		c := redis.NewClient(&redis.Options{Addr: miniredis.RunT(b).Addr()})
+		b.Cleanup(func() { c.Close() })
+		replay(b, c)
+	})
+	b.Run("redis-server", func(b *testing.B) { replay(b, testserver.StartRedis(b).Client()) })
+}
+
+// BenchmarkMiddlewareReplay is a replayed request through the middleware on
+// the memory store: the middleware's own cost.
+func BenchmarkMiddlewareReplay(b *testing.B) {
+	resp := benchResponse()
+	h := New(NewMemoryStore(MemoryOptions{}), Options{}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		for name, vs := range resp.Header {
+			w.Header()[name] = vs
+		}
+		w.WriteHeader(resp.Status)
+		_, _ = w.Write(resp.Body)
+	}))
+	body := benchBody()
+	serve := func() *httptest.ResponseRecorder {
+		r := httptest.NewRequest(http.MethodPost, "/v1/charges", bytes.NewReader(body))
+		r.Header.Set("Content-Type", "application/json")
+		r.Header.Set(HeaderKey, "replayed")
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, r)
+		return rec
+	}
+	require.Equal(b, http.StatusCreated, serve().Code)
+	b.ReportAllocs()
+	for b.Loop() {
+		if rec := serve(); rec.Code != http.StatusCreated || rec.Header().Get(HeaderReplayed) != "true" {
+			b.Fatalf("replay: status %d, %s %q", rec.Code, HeaderReplayed, rec.Header().Get(HeaderReplayed))
+		}
+	}
+}
