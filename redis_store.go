@@ -33,11 +33,15 @@ type RedisOptions struct {
 	Prefix string
 }
 
-// RedisStore keeps records in Redis: standalone, Sentinel or Cluster, through
-// any go-redis UniversalClient. Every transition is one Lua script judged by
-// the Redis server's clock; every key of one record shares a hash tag, so
-// every script runs on a cluster. A claim that finds a completed record
-// returns its response in the same round trip.
+// RedisStore keeps records in Redis: standalone or Sentinel (a
+// *redis.Client), or Cluster (a *redis.ClusterClient). Every transition is
+// one Lua script judged by the Redis server's clock; every key of one record
+// shares a hash tag, so every script runs on one slot. A claim that finds a
+// completed record returns its response in the same round trip.
+//
+// Waiters are woken by pub/sub: one connection per store on standalone
+// Redis, and on a cluster sharded pub/sub with one connection per master,
+// which follows a slot when it moves to another master.
 type RedisStore struct {
 	c        redis.UniversalClient
 	prefix   string
@@ -47,11 +51,13 @@ type RedisStore struct {
 	release  *redis.Script
 	beat     *redis.Script
 	sweep    *redis.Script
-	waits    *waitHub
+	waits    *waiters
 }
 
-// NewRedisStore returns a store on c. It panics if o.Prefix holds a brace.
-// Close it to release its pub/sub connection.
+// NewRedisStore returns a store on c: a *redis.ClusterClient makes it use
+// the cluster's sharded pub/sub; any other client is taken for one server
+// (a Sentinel failover client is one). It panics if o.Prefix holds a brace.
+// Close it to release its pub/sub connections.
 func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 	if o.Prefix == "" {
 		o.Prefix = "idem:"
@@ -59,7 +65,7 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 	if strings.ContainsAny(o.Prefix, "{}") {
 		panic(fmt.Sprintf("idempotency: RedisOptions.Prefix %q holds a brace", o.Prefix))
 	}
-	return &RedisStore{
+	s := &RedisStore{
 		c:        c,
 		prefix:   o.Prefix,
 		publish:  "PUBLISH",
@@ -68,11 +74,16 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 		release:  redis.NewScript(releaseLua),
 		beat:     redis.NewScript(heartbeatLua),
 		sweep:    redis.NewScript(abandonedLua),
-		waits:    newWaitHub(c),
 	}
+	if cc, ok := c.(*redis.ClusterClient); ok {
+		s.publish, s.waits = "SPUBLISH", newShardedWaiters(cc)
+	} else {
+		s.waits = newWaiters(c)
+	}
+	return s
 }
 
-// Close releases the store's pub/sub connection; it does not close the
+// Close releases the store's pub/sub connections; it does not close the
 // client. Waiters still waiting fall back to re-reading on a timer.
 func (s *RedisStore) Close() error { return s.waits.close() }
 
