@@ -55,6 +55,29 @@ func TestRedisKeyLayout(t *testing.T) {
 	assert.Panics(t, func() { NewRedisStore(nil, RedisOptions{Prefix: "x{"}) })
 }
 
+// The client's type decides how waiters are woken: a ClusterClient gets
+// sharded pub/sub, and a Sentinel failover client, a *redis.Client, plain
+// pub/sub on its one master. Nothing here connects.
+func TestRedisStoreMode(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		opts    redis.UniversalOptions
+		publish string
+	}{
+		{"standalone", redis.UniversalOptions{Addrs: []string{"127.0.0.1:1"}}, "PUBLISH"},
+		{"sentinel", redis.UniversalOptions{Addrs: []string{"127.0.0.1:1"}, MasterName: "primary"}, "PUBLISH"},
+		{"cluster", redis.UniversalOptions{Addrs: []string{"127.0.0.1:1", "127.0.0.1:2"}}, "SPUBLISH"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := redis.NewUniversalClient(&tc.opts)
+			defer c.Close()
+			s := NewRedisStore(c, RedisOptions{Replicas: 1, ReplicaTimeout: time.Millisecond})
+			defer s.Close()
+			assert.Equal(t, tc.publish, s.publish)
+		})
+	}
+}
+
 // A waiter must be woken by the completion's publish, not by its re-check
 // timer: with an hour-long re-check, only pub/sub can end the wait.
 func TestRedisWakeUpIsPublished(t *testing.T) {
