@@ -33,13 +33,32 @@ type RedisOptions struct {
 	// Prefix starts every key and channel the store uses. It must not hold
 	// '{' or '}', which would change the keys' hash slots. Default "idem:".
 	Prefix string
+	// Replicas, when above 0, has the writes that decide whether an
+	// operation runs and what it answered confirmed by that many replicas of
+	// the record's master (Redis WAIT, in the same round trip as the
+	// script), so that a failover to one of them cannot undo them: a claim
+	// that makes the caller the owner, a completion, a release. When fewer
+	// confirm within ReplicaTimeout, the call fails with ErrUnavailable
+	// and the operation does not run (see Claim and Complete). Other claims
+	// (replays, duplicates in flight) ignore the count, though they too wait
+	// up to ReplicaTimeout while replicas are missing. Default 0: nothing
+	// waits, and a failover may lose the writes of the moments before it.
+	// It needs a *redis.Client or a *redis.ClusterClient.
+	Replicas int
+	// ReplicaTimeout bounds each wait for Replicas; it must be below the
+	// client's ReadTimeout. Default 1s.
+	ReplicaTimeout time.Duration
 }
 
-// RedisStore keeps records in Redis: standalone, Sentinel or Cluster, through
-// any go-redis UniversalClient. Every transition is one Lua script judged by
-// the Redis server's clock; every key of one record shares a hash tag, so
-// every script runs on a cluster. A claim that finds a completed record
-// returns its response in the same round trip.
+// RedisStore keeps records in Redis: standalone or Sentinel (a
+// *redis.Client), or Cluster (a *redis.ClusterClient). Every transition is
+// one Lua script judged by the Redis server's clock; every key of one record
+// shares a hash tag, so every script runs on one slot. A claim that finds a
+// completed record returns its response in the same round trip.
+//
+// Waiters are woken by pub/sub: one connection per store on standalone
+// Redis, and on a cluster sharded pub/sub with one connection per master,
+// which follows a slot when it moves to another master.
 type RedisStore struct {
 	c        redis.UniversalClient
 	prefix   string
@@ -49,11 +68,22 @@ type RedisStore struct {
 	release  *redis.Script
 	beat     *redis.Script
 	sweep    *redis.Script
-	waits    *waitHub
+	waits    *waiters
+
+	replicas       int
+	replicaTimeout time.Duration
+	// master returns a client of the server holding key, for WAIT: it
+	// covers only the writes made on its own connection.
+	master func(ctx context.Context, key string) (*redis.Client, error)
+	reload func(ctx context.Context) // refreshes the cluster's slot map
 }
 
-// NewRedisStore returns a store on c. It panics if o.Prefix holds a brace.
-// Close it to release its pub/sub connection.
+// NewRedisStore returns a store on c: a *redis.ClusterClient makes it use
+// the cluster's sharded pub/sub; any other client is taken for one server
+// (a Sentinel failover client is one). It panics if o.Prefix holds a brace,
+// or if o.Replicas is set and c is neither a *redis.Client nor a
+// *redis.ClusterClient, or o.ReplicaTimeout is not below c's ReadTimeout.
+// Close it to release its pub/sub connections.
 func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 	if o.Prefix == "" {
 		o.Prefix = "idem:"
@@ -61,20 +91,47 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 	if strings.ContainsAny(o.Prefix, "{}") {
 		panic(fmt.Sprintf("idempotency: RedisOptions.Prefix %q holds a brace", o.Prefix))
 	}
-	return &RedisStore{
-		c:        c,
-		prefix:   o.Prefix,
-		publish:  "PUBLISH",
-		claim:    redis.NewScript(claimLua),
-		complete: redis.NewScript(completeLua),
-		release:  redis.NewScript(releaseLua),
-		beat:     redis.NewScript(heartbeatLua),
-		sweep:    redis.NewScript(abandonedLua),
-		waits:    newWaitHub(c),
+	if o.ReplicaTimeout <= 0 {
+		o.ReplicaTimeout = time.Second
 	}
+	// WAIT counts whole milliseconds, and 0 would wait for ever.
+	o.ReplicaTimeout = max(o.ReplicaTimeout, time.Millisecond)
+	s := &RedisStore{
+		c:              c,
+		prefix:         o.Prefix,
+		claim:          redis.NewScript(claimLua),
+		complete:       redis.NewScript(completeLua),
+		release:        redis.NewScript(releaseLua),
+		beat:           redis.NewScript(heartbeatLua),
+		sweep:          redis.NewScript(abandonedLua),
+		replicas:       o.Replicas,
+		replicaTimeout: o.ReplicaTimeout,
+	}
+	var readTimeout time.Duration
+	switch c := c.(type) {
+	case *redis.ClusterClient:
+		s.publish, s.waits, s.master, s.reload = "SPUBLISH", newShardedWaiters(c), c.MasterForKey, c.ReloadState
+		readTimeout = c.Options().ReadTimeout
+	case *redis.Client:
+		s.publish, s.waits = "PUBLISH", newWaiters(c)
+		s.master = func(context.Context, string) (*redis.Client, error) { return c, nil }
+		s.reload = func(context.Context) {}
+		readTimeout = c.Options().ReadTimeout
+	default:
+		if o.Replicas > 0 {
+			panic(fmt.Sprintf("idempotency: RedisOptions.Replicas needs a *redis.Client or *redis.ClusterClient, not %T", c))
+		}
+		s.publish, s.waits = "PUBLISH", newWaiters(c)
+	}
+	// WAIT is read, pipelined, within the client's ReadTimeout; a read that
+	// times out would have go-redis run the script again.
+	if o.Replicas > 0 && readTimeout > 0 && o.ReplicaTimeout >= readTimeout {
+		panic(fmt.Sprintf("idempotency: RedisOptions.ReplicaTimeout %v is not below the client's ReadTimeout %v", o.ReplicaTimeout, readTimeout))
+	}
+	return s
 }
 
-// Close releases the store's pub/sub connection; it does not close the
+// Close releases the store's pub/sub connections; it does not close the
 // client. Waiters still waiting fall back to re-reading on a timer.
 func (s *RedisStore) Close() error { return s.waits.close() }
 
@@ -126,15 +183,27 @@ func bucketOf(k Key) uint32 {
 	return h % buckets
 }
 
-// Claim implements Store.
+// Claim implements Store. With RedisOptions.Replicas set, a claim that
+// makes the caller the owner is confirmed by as many replicas before it is
+// returned. When it is not, the operation must not run, since a failover
+// could hand the record to a second owner, so Claim returns ErrUnavailable
+// and gives the record up at once rather than when the lease runs out: a
+// record it created is deleted, one it took over is released, and one whose
+// previous owner was abandoned stays abandoned, so that the next owner still
+// learns that an earlier attempt may have acted.
 func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error) {
 	rec, seq, leases := s.recordKeys(req.Key)
 	watch := "0"
 	if req.Watch {
 		watch = "1"
 	}
-	v, err := s.claim.Run(ctx, s.c, []string{rec, seq, leases},
-		req.Fingerprint[:], req.OperationID, req.Lease.Milliseconds(), req.Retention.Milliseconds(), watch).Slice()
+	cmd, unconfirmed := s.eval(ctx, s.claim, []string{rec, seq, leases},
+		[]any{req.Fingerprint[:], req.OperationID, req.Lease.Milliseconds(), req.Retention.Milliseconds(), watch},
+		func(cmd *redis.Cmd) bool {
+			v, _ := cmd.Slice()
+			return len(v) > 0 && v[0] == "owner"
+		})
+	v, err := cmd.Slice()
 	if err != nil {
 		return Claim{}, unavailable("claim", err)
 	}
@@ -142,7 +211,95 @@ func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error)
 	if err != nil {
 		return Claim{}, unavailable("claim", err)
 	}
+	if unconfirmed != nil {
+		s.giveUp(context.WithoutCancel(ctx), req.Key, c)
+		return Claim{}, unavailable("claim", unconfirmed)
+	}
 	return c, nil
+}
+
+// giveUp ends an owner's claim that was not confirmed, before anything ran
+// (see Claim). Should it fail, the lease runs out instead.
+func (s *RedisStore) giveUp(ctx context.Context, k Key, c Claim) {
+	rec, _, leases := s.recordKeys(k)
+	token := strconv.FormatUint(c.Token, 10)
+	if c.Abandoned {
+		_ = s.beat.Run(ctx, s.c, []string{rec, leases}, token, 0).Err()
+		return
+	}
+	forget := "0"
+	if c.Attempt == 1 {
+		forget = "1"
+	}
+	_ = s.release.Run(ctx, s.c, []string{rec, leases}, token, forget, s.publish).Err()
+}
+
+// eval runs sc on keys, which name one record. With RedisOptions.Replicas
+// set, it runs in one pipeline with WAIT on a client of the record's
+// master, since WAIT covers only the writes of its own connection, and
+// unconfirmed says why a change the reply reports, when durable (nil:
+// always) says it is one to keep, was not confirmed. The script's own
+// failure is in cmd.
+func (s *RedisStore) eval(ctx context.Context, sc *redis.Script, keys []string, args []any, durable func(*redis.Cmd) bool) (cmd *redis.Cmd, unconfirmed error) {
+	if s.replicas == 0 {
+		return sc.Run(ctx, s.c, keys, args...), nil
+	}
+	keep := func(cmd *redis.Cmd) bool { return cmd.Err() == nil && (durable == nil || durable(cmd)) }
+	node, err := s.master(ctx, keys[0])
+	if err != nil {
+		cmd = redis.NewCmd(ctx)
+		cmd.SetErr(err)
+		return cmd, nil
+	}
+	cmd, wait := s.evalAndWait(ctx, node, sc.EvalSha, keys, args)
+	if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+		cmd, wait = s.evalAndWait(ctx, node, sc.Eval, keys, args)
+	}
+	var reply redis.Error
+	switch err := cmd.Err(); {
+	case isRedirect(err):
+		// The slot is moving, and nothing ran. The cluster client follows
+		// it, but a WAIT there would not cover the script's connection.
+		cmd = sc.Run(ctx, s.c, keys, args...)
+		if keep(cmd) {
+			return cmd, errors.New("replicas not asked: the record's slot is moving")
+		}
+		return cmd, nil
+	case err != nil && !errors.As(err, &reply):
+		// The master may be gone: the cluster client would notice on its
+		// own commands only.
+		s.reload(ctx)
+	}
+	if !keep(cmd) {
+		return cmd, nil
+	}
+	switch n, err := wait.Int64(); {
+	case err != nil:
+		return cmd, fmt.Errorf("waiting for replicas: %w", err)
+	case n < int64(s.replicas):
+		return cmd, fmt.Errorf("%d of %d replicas acknowledged within %v", n, s.replicas, s.replicaTimeout)
+	}
+	return cmd, nil
+}
+
+// evalAndWait sends a script, by eval (EVALSHA or EVAL), and WAIT in one
+// pipeline, which go-redis writes on one connection. A WAIT after a script
+// that wrote nothing returns at once, unless replicas are missing or lag.
+func (s *RedisStore) evalAndWait(ctx context.Context, node *redis.Client,
+	eval func(context.Context, redis.Scripter, []string, ...any) *redis.Cmd, keys []string, args []any) (cmd, wait *redis.Cmd) {
+	_, _ = node.Pipelined(ctx, func(p redis.Pipeliner) error {
+		cmd = eval(ctx, p, keys, args...)
+		wait = p.Do(ctx, "WAIT", s.replicas, s.replicaTimeout.Milliseconds())
+		return nil
+	})
+	return cmd, wait
+}
+
+// isRedirect reports a cluster's MOVED or ASK reply: the command did not
+// run on that node.
+func isRedirect(err error) bool {
+	var reply redis.Error
+	return errors.As(err, &reply) && (strings.HasPrefix(reply.Error(), "MOVED ") || strings.HasPrefix(reply.Error(), "ASK "))
 }
 
 func parseClaim(v []any) (Claim, error) {
@@ -174,26 +331,43 @@ func parseClaim(v []any) (Claim, error) {
 	return Claim{}, fmt.Errorf("unexpected claim reply %q", v)
 }
 
-// Complete implements Store.
+// Complete implements Store. With RedisOptions.Replicas set, a completion
+// not confirmed by as many replicas returns ErrUnavailable, though the
+// master keeps it: a retry finds the outcome, unless a failover lost it.
 func (s *RedisStore) Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
 	body, err := resp.MarshalBinary()
 	if err != nil {
 		return err
 	}
 	rec, _, leases := s.recordKeys(k)
-	return fenced("complete", s.complete.Run(ctx, s.c, []string{rec, leases},
-		strconv.FormatUint(token, 10), body, retention.Milliseconds(), s.publish).Err())
+	cmd, unconfirmed := s.eval(ctx, s.complete, []string{rec, leases},
+		[]any{strconv.FormatUint(token, 10), body, retention.Milliseconds(), s.publish}, nil)
+	return settled("complete", cmd, unconfirmed)
 }
 
-// Release implements Store.
+// Release implements Store. With RedisOptions.Replicas set, a release not
+// confirmed by as many replicas returns ErrUnavailable, though the master
+// keeps it.
 func (s *RedisStore) Release(ctx context.Context, k Key, token uint64, forget bool) error {
 	rec, _, leases := s.recordKeys(k)
 	f := "0"
 	if forget {
 		f = "1"
 	}
-	return fenced("release", s.release.Run(ctx, s.c, []string{rec, leases},
-		strconv.FormatUint(token, 10), f, s.publish).Err())
+	cmd, unconfirmed := s.eval(ctx, s.release, []string{rec, leases},
+		[]any{strconv.FormatUint(token, 10), f, s.publish}, nil)
+	return settled("release", cmd, unconfirmed)
+}
+
+// settled is the outcome of a settling script run by eval.
+func settled(op string, cmd *redis.Cmd, unconfirmed error) error {
+	if err := fenced(op, cmd.Err()); err != nil {
+		return err
+	}
+	if unconfirmed != nil {
+		return unavailable(op, unconfirmed)
+	}
+	return nil
 }
 
 // Heartbeat implements Store.

@@ -55,6 +55,29 @@ func TestRedisKeyLayout(t *testing.T) {
 	assert.Panics(t, func() { NewRedisStore(nil, RedisOptions{Prefix: "x{"}) })
 }
 
+// The client's type decides how waiters are woken: a ClusterClient gets
+// sharded pub/sub, and a Sentinel failover client, a *redis.Client, plain
+// pub/sub on its one master. Nothing here connects.
+func TestRedisStoreMode(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		opts    redis.UniversalOptions
+		publish string
+	}{
+		{"standalone", redis.UniversalOptions{Addrs: []string{"127.0.0.1:1"}}, "PUBLISH"},
+		{"sentinel", redis.UniversalOptions{Addrs: []string{"127.0.0.1:1"}, MasterName: "primary"}, "PUBLISH"},
+		{"cluster", redis.UniversalOptions{Addrs: []string{"127.0.0.1:1", "127.0.0.1:2"}}, "SPUBLISH"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := redis.NewUniversalClient(&tc.opts)
+			defer c.Close()
+			s := NewRedisStore(c, RedisOptions{Replicas: 1, ReplicaTimeout: time.Millisecond})
+			defer s.Close()
+			assert.Equal(t, tc.publish, s.publish)
+		})
+	}
+}
+
 // A waiter must be woken by the completion's publish, not by its re-check
 // timer: with an hour-long re-check, only pub/sub can end the wait.
 func TestRedisWakeUpIsPublished(t *testing.T) {
@@ -97,7 +120,7 @@ func TestRedisWakeUpIsPublished(t *testing.T) {
 
 // waitForWatcher returns once a waiter has registered on k's record, so the
 // completion that follows has someone to publish to.
-func waitForWatcher(t *testing.T, c *redis.Client, s *RedisStore, k Key) {
+func waitForWatcher(t *testing.T, c redis.UniversalClient, s *RedisStore, k Key) {
 	t.Helper()
 	rec, _, _ := s.recordKeys(k)
 	require.Eventually(t, func() bool {
@@ -109,38 +132,85 @@ func waitForWatcher(t *testing.T, c *redis.Client, s *RedisStore, k Key) {
 // re-check timer out of the way, a lost wake-up shows as ErrInFlight.
 func TestRedisNoLostWakeUp(t *testing.T) {
 	redisBackends(t, func(t *testing.T, c *redis.Client) {
-		s := newRedisStore(t, c)
-		g := New(s, Options{RecheckInterval: time.Hour, WaitTimeout: 5 * time.Second})
-		const keys = 300
-		var lost atomic.Int32
-		var wg sync.WaitGroup
-		for i := range keys {
-			k, fp := Key{Name: fmt.Sprintf("race-%d", i)}, FingerprintOf("op", nil)
-			claim, err := s.Claim(context.Background(), ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op", Lease: time.Minute, Retention: time.Hour})
-			require.NoError(t, err)
-			require.Equal(t, Owner, claim.State)
-			wg.Add(2)
-			go func() {
-				defer wg.Done()
-				r, err := g.Do(context.Background(), k, fp, func(context.Context) (Response, error) {
-					return Response{}, errors.New("the duplicate ran the operation")
-				})
-				if errors.Is(err, ErrInFlight) {
-					lost.Add(1)
-					return
-				}
-				assert.NoError(t, err)
-				assert.Equal(t, strconv.Itoa(i), string(r.Response.Body))
-			}()
-			go func() {
-				defer wg.Done()
-				time.Sleep(time.Duration(rand.IntN(3000)) * time.Microsecond)
-				assert.NoError(t, s.Complete(context.Background(), k, claim.Token, Response{Status: 200, Body: []byte(strconv.Itoa(i))}, time.Hour))
-			}()
-		}
-		wg.Wait()
-		assert.Zero(t, lost.Load(), "waiters never woken")
+		noLostWakeUp(t, newRedisStore(t, c))
 	})
+}
+
+func noLostWakeUp(t *testing.T, s *RedisStore) {
+	g := New(s, Options{RecheckInterval: time.Hour, WaitTimeout: 5 * time.Second})
+	const keys = 300
+	var lost atomic.Int32
+	var wg sync.WaitGroup
+	for i := range keys {
+		k, fp := Key{Name: fmt.Sprintf("race-%d", i)}, FingerprintOf("op", nil)
+		claim, err := s.Claim(context.Background(), ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op", Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
+		require.Equal(t, Owner, claim.State)
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			r, err := g.Do(context.Background(), k, fp, func(context.Context) (Response, error) {
+				return Response{}, errors.New("the duplicate ran the operation")
+			})
+			if errors.Is(err, ErrInFlight) {
+				lost.Add(1)
+				return
+			}
+			assert.NoError(t, err)
+			assert.Equal(t, strconv.Itoa(i), string(r.Response.Body))
+		}()
+		go func() {
+			defer wg.Done()
+			time.Sleep(time.Duration(rand.IntN(3000)) * time.Microsecond)
+			assert.NoError(t, s.Complete(context.Background(), k, claim.Token, Response{Status: 200, Body: []byte(strconv.Itoa(i))}, time.Hour))
+		}()
+	}
+	wg.Wait()
+	assert.Zero(t, lost.Load(), "waiters never woken")
+}
+
+// A waiter whose pub/sub connection drops is subscribed again on a new one
+// and woken to re-read: the completion that follows reaches it, though only
+// pub/sub can wake it.
+func TestRedisWaiterSurvivesDroppedConnection(t *testing.T) {
+	srv := testserver.StartRedis(t)
+	c := srv.Client()
+	s := newRedisStore(t, c)
+	g := New(s, Options{RecheckInterval: time.Hour, WaitTimeout: 30 * time.Second})
+	ctx := context.Background()
+	k, fp := Key{Name: "dropped"}, FingerprintOf("op", nil)
+	claim := ownFor(t, s, k, fp)
+	got := make(chan Result, 1)
+	go func() {
+		r, err := g.Do(ctx, k, fp, func(context.Context) (Response, error) {
+			return Response{}, errors.New("the duplicate ran the operation")
+		})
+		assert.NoError(t, err)
+		got <- r
+	}()
+	waitForWatcher(t, c, s, k)
+	rec, _, _ := s.recordKeys(k)
+	subscribers := func() int64 { return c.PubSubNumSub(ctx, rec).Val()[rec] }
+	require.Equal(t, int64(1), subscribers())
+	require.NoError(t, c.ClientKillByFilter(ctx, "TYPE", "pubsub").Err())
+	require.Eventually(t, func() bool { return subscribers() == 1 }, 10*time.Second, 10*time.Millisecond,
+		"the waiter was not subscribed again")
+	require.NoError(t, s.Complete(ctx, k, claim.Token, Response{Status: 201, Body: []byte("done")}, time.Hour))
+	select {
+	case r := <-got:
+		assert.True(t, r.Replayed)
+		assert.Equal(t, "done", string(r.Response.Body))
+	case <-time.After(20 * time.Second):
+		t.Fatal("the waiter was not woken after its connection dropped")
+	}
+}
+
+// ownFor claims k as its new owner.
+func ownFor(t *testing.T, s *RedisStore, k Key, fp Fingerprint) Claim {
+	c, err := s.Claim(context.Background(), ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op", Lease: time.Minute, Retention: time.Hour})
+	require.NoError(t, err)
+	require.Equal(t, Owner, c.State)
+	return c
 }
 
 // Redis formats Lua numbers with %.14g; tokens past 1e14 must still cross

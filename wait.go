@@ -2,32 +2,110 @@ package idempotency
 
 import (
 	"context"
+	"errors"
+	"maps"
+	"net"
+	"slices"
 	"sync"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
 
-// waitHub multiplexes every waiter of one store over a single pub/sub
-// connection: a channel is subscribed while at least one waiter waits on it.
+// waiters multiplexes every waiter of one store over pub/sub connections,
+// one per node: the server itself on standalone Redis (SUBSCRIBE), each
+// master on a cluster (SSUBSCRIBE: a sharded channel is served only by the
+// master of its slot, and one SSUBSCRIBE may name channels of one slot
+// only). Each connection is a waitHub.
 //
 // No wake-up may be lost. A waiter is told it is subscribed only once Redis
-// has confirmed its SUBSCRIBE; the Guard re-reads the record after that, so a
-// completion either precedes the re-read or is published to a confirmed
-// subscriber. Confirmations are counted per channel, and SUBSCRIBE and
-// UNSUBSCRIBE are sent under the hub's lock so the wire order is the order
-// decided here: a confirmation of an earlier SUBSCRIBE, followed by an
-// UNSUBSCRIBE still on its way, can never pass for a new waiter's.
-// After a reconnect go-redis resubscribes and reports it as a confirmation;
-// every waiter of that channel is then woken to re-read, as messages sent
-// while the connection was down are gone.
-type waitHub struct {
-	c redis.UniversalClient
+// has confirmed its subscription; the Guard re-reads the record after that,
+// so a completion either precedes the re-read or is published to a
+// confirmed subscriber. Whenever a subscription may have missed a message
+// (its connection failed, or its slot moved to another master, which then
+// drops the channel with an unasked SUNSUBSCRIBE), its waiters are
+// subscribed again, on a fresh hub of the slot's current master, and woken
+// once that is confirmed: they re-read, and the invariant holds again.
+type waiters struct {
+	// locate names the node serving channel, and the client to subscribe
+	// through.
+	locate func(ctx context.Context, channel string) (node string, c redis.UniversalClient, err error)
+	// reload refreshes the client's view of which node serves which slot.
+	reload     func(ctx context.Context)
+	sub, unsub func(ps *redis.PubSub, ctx context.Context, channels ...string) error
 
 	mu     sync.Mutex
-	ps     *redis.PubSub // nil until the first waiter
-	chans  map[string]*waitChannel
+	hubs   map[string]*waitHub // by node
 	closed bool
-	done   chan struct{} // closed when the dispatcher ends
+	quit   chan struct{}  // closed by close: stops re-subscribing
+	wg     sync.WaitGroup // dispatchers and re-subscribers
+}
+
+// hubPing is how long a hub's connection may stay silent before it is
+// pinged; silent for as long again, it counts as failed.
+const hubPing = 3 * time.Second
+
+// Re-subscribing waits rehomeBackoff, doubling up to 16 times that, between
+// attempts. A channel that left a node because its slot moved avoids that
+// node for its first rehomeAvoid attempts (0.75s), while the client's slot
+// map catches up with the move; subscribing there would be refused, and
+// retire the node's hub.
+const (
+	rehomeBackoff = 50 * time.Millisecond
+	rehomeAvoid   = 5
+)
+
+var errHubFailing = errors.New("pub/sub connection keeps failing")
+
+// newWaiters returns the waiters of a standalone or Sentinel client: plain
+// pub/sub on its one server.
+func newWaiters(c redis.UniversalClient) *waiters {
+	return &waiters{
+		locate: func(context.Context, string) (string, redis.UniversalClient, error) { return "", c, nil },
+		reload: func(context.Context) {},
+		sub:    (*redis.PubSub).Subscribe,
+		unsub:  (*redis.PubSub).Unsubscribe,
+		hubs:   make(map[string]*waitHub),
+		quit:   make(chan struct{}),
+	}
+}
+
+// newShardedWaiters returns the waiters of a cluster: sharded pub/sub on the
+// master of each channel's slot.
+func newShardedWaiters(cc *redis.ClusterClient) *waiters {
+	return &waiters{
+		locate: func(ctx context.Context, channel string) (string, redis.UniversalClient, error) {
+			n, err := cc.MasterForKey(ctx, channel)
+			if err != nil {
+				return "", nil, err
+			}
+			return n.Options().Addr, n, nil
+		},
+		reload: cc.ReloadState,
+		sub:    (*redis.PubSub).SSubscribe,
+		unsub:  (*redis.PubSub).SUnsubscribe,
+		hubs:   make(map[string]*waitHub),
+		quit:   make(chan struct{}),
+	}
+}
+
+// waitHub is one pub/sub connection: a channel is subscribed while at least
+// one waiter waits on it. Confirmations are counted per channel, and
+// (un)subscriptions are sent under the hub's lock so the wire order is the
+// order decided here: a confirmation of an earlier SUBSCRIBE, followed by an
+// UNSUBSCRIBE still on its way, can never pass for a new waiter's.
+//
+// A hub never recovers from a failure: a connection that failed may have
+// missed messages, and go-redis's own resubscription sends every channel in
+// one SSUBSCRIBE, which a cluster refuses when they span slots. On any
+// error the hub retires and its waiters move to a fresh one.
+type waitHub struct {
+	w    *waiters
+	node string
+	ps   *redis.PubSub
+
+	mu    sync.Mutex
+	chans map[string]*waitChannel // nil once retired
 }
 
 type waitChannel struct {
@@ -37,84 +115,196 @@ type waitChannel struct {
 }
 
 type redisSub struct {
-	h     *waitHub
 	name  string
 	c     chan struct{}
-	ready chan struct{} // closed once the subscription is confirmed
-	once  sync.Once
-}
+	ready chan struct{} // closed once the first subscription is confirmed
 
-func newWaitHub(c redis.UniversalClient) *waitHub {
-	return &waitHub{c: c, chans: make(map[string]*waitChannel)}
+	// mu orders joining a hub against Close, so that a waiter that is
+	// being moved to another hub is never left behind in it.
+	mu     sync.Mutex
+	hub    *waitHub
+	closed bool
 }
 
 func (s *redisSub) C() <-chan struct{} { return s.c }
 
-func (s *redisSub) Close() { s.once.Do(func() { s.h.leave(s) }) }
+func (s *redisSub) Close() {
+	s.mu.Lock()
+	h := s.hub
+	s.hub, s.closed = nil, true
+	s.mu.Unlock()
+	if h != nil {
+		h.leave(s)
+	}
+}
 
 // subscribe returns once name is confirmed subscribed for the new waiter.
-func (h *waitHub) subscribe(ctx context.Context, name string) (*redisSub, error) {
-	sub := &redisSub{h: h, name: name, c: make(chan struct{}, 1), ready: make(chan struct{})}
-	h.mu.Lock()
-	if h.closed {
-		h.mu.Unlock()
-		return nil, redis.ErrClosed
+func (w *waiters) subscribe(ctx context.Context, name string) (*redisSub, error) {
+	s := &redisSub{name: name, c: make(chan struct{}, 1), ready: make(chan struct{})}
+	node, c, err := w.locate(ctx, name)
+	if err == nil {
+		err = w.place(ctx, s, node, c)
 	}
-	if h.ps == nil {
-		h.ps = h.c.Subscribe(context.WithoutCancel(ctx))
-		h.done = make(chan struct{})
-		go h.dispatch(h.ps.ChannelWithSubscriptions(redis.WithChannelSize(1024)), h.done)
+	if err != nil {
+		return nil, err
 	}
-	ch := h.chans[name]
-	if ch == nil {
-		ch = &waitChannel{waiters: make(map[*redisSub]struct{})}
-		h.chans[name] = ch
-	}
-	ch.waiters[sub] = struct{}{}
-	if len(ch.waiters) == 1 {
-		ch.pending++
-		if err := h.ps.Subscribe(ctx, name); err != nil {
-			// go-redis keeps the channel in its list even so; take it out,
-			// or a reconnect would subscribe it for nobody.
-			_ = h.ps.Unsubscribe(context.WithoutCancel(ctx), name)
-			ch.pending--
-			delete(ch.waiters, sub)
-			h.forget(name, ch)
-			h.mu.Unlock()
-			return nil, err
-		}
-	} else if ch.pending == 0 {
-		close(sub.ready)
-	}
-	h.mu.Unlock()
-
 	select {
-	case <-sub.ready:
-		return sub, nil
+	case <-s.ready:
+		return s, nil
 	case <-ctx.Done():
-		sub.Close()
+		s.Close()
 		return nil, ctx.Err()
 	}
+}
+
+// place adds s to the hub of node, made on c if there is none. It does
+// nothing to a closed waiter.
+func (w *waiters) place(ctx context.Context, s *redisSub, node string, c redis.UniversalClient) error {
+	// A hub that retired between being found and being joined is replaced
+	// once; a second one failing as fast means the node is failing.
+	for range 2 {
+		h, err := w.hub(node, c)
+		if err != nil {
+			return err
+		}
+		s.mu.Lock()
+		if s.closed {
+			s.mu.Unlock()
+			return nil
+		}
+		joined, err := h.join(ctx, s)
+		if joined {
+			s.hub = h
+		}
+		s.mu.Unlock()
+		if joined || err != nil {
+			return err
+		}
+		w.drop(h)
+	}
+	return errHubFailing
+}
+
+// hub returns the live hub of node, starting one on c if there is none.
+func (w *waiters) hub(node string, c redis.UniversalClient) (*waitHub, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return nil, redis.ErrClosed
+	}
+	if h := w.hubs[node]; h != nil {
+		return h, nil
+	}
+	h := &waitHub{w: w, node: node, ps: c.Subscribe(context.Background()), chans: make(map[string]*waitChannel)}
+	w.hubs[node] = h
+	w.wg.Add(1)
+	go h.dispatch()
+	return h, nil
+}
+
+// drop forgets h as its node's hub.
+func (w *waiters) drop(h *waitHub) {
+	w.mu.Lock()
+	if w.hubs[h.node] == h {
+		delete(w.hubs, h.node)
+	}
+	w.mu.Unlock()
+}
+
+// rehome subscribes subs, the waiters of channel name, on a fresh hub of the
+// channel's current master, retrying until it succeeds or they close; the
+// confirmation wakes them. Until then they rely on their re-check timers.
+// avoid, when set, is the node the channel's slot just left.
+func (w *waiters) rehome(name string, subs []*redisSub, avoid string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return
+	}
+	w.wg.Add(1)
+	go func() {
+		defer w.wg.Done()
+		ctx := context.Background()
+		for attempt := 0; len(subs) > 0; attempt++ {
+			if attempt > 0 {
+				select {
+				case <-time.After(rehomeBackoff << min(attempt-1, 4)):
+				case <-w.quit:
+					return
+				}
+			}
+			w.reload(ctx)
+			node, c, err := w.locate(ctx, name)
+			if err != nil || (avoid != "" && node == avoid && attempt < rehomeAvoid) {
+				continue
+			}
+			subs = slices.DeleteFunc(subs, func(s *redisSub) bool { return w.place(ctx, s, node, c) == nil })
+		}
+	}()
+}
+
+// join adds s to its channel's waiters, subscribing the channel if s is its
+// first. It reports false when the hub has retired, or when sending failed,
+// which retires it.
+func (h *waitHub) join(ctx context.Context, s *redisSub) (bool, error) {
+	h.mu.Lock()
+	if h.chans == nil {
+		h.mu.Unlock()
+		return false, nil
+	}
+	ch := h.chans[s.name]
+	if ch == nil {
+		ch = &waitChannel{waiters: make(map[*redisSub]struct{})}
+		h.chans[s.name] = ch
+	}
+	ch.waiters[s] = struct{}{}
+	var err error
+	switch {
+	case len(ch.waiters) == 1:
+		ch.pending++
+		// Not cancelled with ctx: go-redis drops a connection whose write
+		// was interrupted, which would retire the hub for every waiter.
+		if err = h.w.sub(h.ps, context.WithoutCancel(ctx), s.name); err != nil {
+			ch.pending--
+			delete(ch.waiters, s)
+			h.forget(s.name, ch)
+		}
+	case ch.pending == 0:
+		confirmed(s)
+	}
+	h.mu.Unlock()
+	if err != nil {
+		h.retire()
+		return false, err
+	}
+	return true, nil
 }
 
 // leave removes a waiter, unsubscribing its channel when it was the last.
 func (h *waitHub) leave(s *redisSub) {
 	h.mu.Lock()
-	defer h.mu.Unlock()
 	ch := h.chans[s.name]
 	if ch == nil {
+		h.mu.Unlock() // retired
+		return
+	}
+	if _, ok := ch.waiters[s]; !ok {
+		h.mu.Unlock() // moved to another hub
 		return
 	}
 	delete(ch.waiters, s)
-	if len(ch.waiters) == 0 && !h.closed {
+	var err error
+	if len(ch.waiters) == 0 {
 		ch.leaving++
-		if err := h.ps.Unsubscribe(context.Background(), s.name); err != nil {
-			// go-redis dropped the channel from its list anyway, so a
-			// reconnect will not restore it; no confirmation will come.
+		if err = h.w.unsub(h.ps, context.Background(), s.name); err != nil {
 			ch.leaving--
 		}
 	}
 	h.forget(s.name, ch)
+	h.mu.Unlock()
+	if err != nil {
+		h.retire()
+	}
 }
 
 // forget drops a channel's entry once nothing about it is outstanding.
@@ -124,53 +314,99 @@ func (h *waitHub) forget(name string, ch *waitChannel) {
 	}
 }
 
-// dispatch turns pub/sub traffic into wake-ups until the PubSub is closed.
-func (h *waitHub) dispatch(msgs <-chan any, done chan struct{}) {
-	defer close(done)
-	for m := range msgs {
-		h.mu.Lock()
-		switch m := m.(type) {
-		case *redis.Message:
-			if ch := h.chans[m.Channel]; ch != nil {
-				wakeAll(ch)
+// dispatch turns pub/sub traffic into wake-ups until the connection fails
+// or the hub retires.
+func (h *waitHub) dispatch() {
+	defer h.w.wg.Done()
+	defer h.retire()
+	ctx := context.Background()
+	pinged := false
+	for {
+		m, err := h.ps.ReceiveTimeout(ctx, hubPing)
+		if err != nil {
+			var ne net.Error
+			if pinged || !errors.As(err, &ne) || !ne.Timeout() || h.ps.Ping(ctx) != nil {
+				return
 			}
-		case *redis.Subscription:
-			ch := h.chans[m.Channel]
-			if ch == nil {
-				break
-			}
-			switch m.Kind {
-			case "subscribe", "ssubscribe":
-				if ch.pending > 0 {
-					ch.pending--
-				}
-				if ch.pending > 0 {
-					break
-				}
-				for s := range ch.waiters {
-					select {
-					case <-s.ready:
-						// Resubscribed after a reconnect: what was published
-						// meanwhile is gone, so the waiter re-reads.
-						wake(s)
-					default:
-						close(s.ready)
-					}
-				}
-			case "unsubscribe", "sunsubscribe":
-				if ch.leaving > 0 {
-					ch.leaving--
-				}
-			}
-			h.forget(m.Channel, ch)
+			pinged = true
+			continue
 		}
-		h.mu.Unlock()
+		pinged = false
+		h.handle(m)
 	}
 }
 
-func wakeAll(ch *waitChannel) {
-	for s := range ch.waiters {
+func (h *waitHub) handle(m any) {
+	var moved []*redisSub
+	var name string
+	h.mu.Lock()
+	switch m := m.(type) {
+	case *redis.Message:
+		if ch := h.chans[m.Channel]; ch != nil {
+			for s := range ch.waiters {
+				wake(s)
+			}
+		}
+	case *redis.Subscription:
+		ch := h.chans[m.Channel]
+		if ch == nil {
+			break
+		}
+		switch m.Kind {
+		case "subscribe", "ssubscribe":
+			if ch.pending > 0 {
+				ch.pending--
+			}
+			if ch.pending == 0 {
+				for s := range ch.waiters {
+					confirmed(s)
+				}
+			}
+		case "unsubscribe", "sunsubscribe":
+			if ch.leaving > 0 {
+				ch.leaving--
+				break
+			}
+			// Unasked: the node no longer serves the channel's slot.
+			name, moved = m.Channel, slices.Collect(maps.Keys(ch.waiters))
+			clear(ch.waiters)
+		}
+		h.forget(m.Channel, ch)
+	}
+	h.mu.Unlock()
+	if len(moved) > 0 {
+		h.w.rehome(name, moved, h.node)
+	}
+}
+
+// retire closes the hub's connection and moves its waiters to fresh hubs.
+func (h *waitHub) retire() error {
+	h.mu.Lock()
+	chans := h.chans
+	h.chans = nil
+	h.mu.Unlock()
+	if chans == nil {
+		return nil
+	}
+	h.w.drop(h)
+	err := h.ps.Close()
+	for name, ch := range chans {
+		if len(ch.waiters) > 0 {
+			h.w.rehome(name, slices.Collect(maps.Keys(ch.waiters)), "")
+		}
+	}
+	return err
+}
+
+// confirmed tells s that its subscription is confirmed: a new waiter
+// returns from subscribe; one that was subscribed before has missed what
+// was published meanwhile, so it re-reads.
+func confirmed(s *redisSub) {
+	select {
+	case <-s.ready:
 		wake(s)
+	default:
+		close(s.ready)
 	}
 }
 
@@ -181,15 +417,22 @@ func wake(s *redisSub) {
 	}
 }
 
-func (h *waitHub) close() error {
-	h.mu.Lock()
-	h.closed = true
-	ps, done := h.ps, h.done
-	h.mu.Unlock()
-	if ps == nil {
+// close retires every hub; waiters still waiting fall back to their
+// re-check timers.
+func (w *waiters) close() error {
+	w.mu.Lock()
+	if w.closed {
+		w.mu.Unlock()
 		return nil
 	}
-	err := ps.Close()
-	<-done
-	return err
+	w.closed = true
+	close(w.quit)
+	hubs := slices.Collect(maps.Values(w.hubs))
+	w.mu.Unlock()
+	var errs []error
+	for _, h := range hubs {
+		errs = append(errs, h.retire())
+	}
+	w.wg.Wait()
+	return errors.Join(errs...)
 }
