@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -232,7 +233,15 @@ func clusterConfirmedClaim(t *testing.T, cl *testserver.Cluster) {
 			return Response{Status: http.StatusCreated, Body: []byte("charged again")}, nil
 		})
 	}
-	_, err := retry()
+	// Right after a failover the cluster may still refuse a command; what
+	// must never happen is the operation running again.
+	var err error
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		if _, err = retry(); !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrInFlight) {
+			break
+		}
+		t.Logf("retry during the failover: %v", err)
+	}
 	require.ErrorIs(t, err, ErrInFlight, "the retry after the failover")
 
 	// The original completes on the new master, which has no replica left

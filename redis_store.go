@@ -192,6 +192,10 @@ func bucketOf(k Key) uint32 {
 // previous owner was abandoned stays abandoned, so that the next owner still
 // learns that an earlier attempt may have acted.
 func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error) {
+	if l := len(req.OperationID); l == 0 || l > 255 {
+		// A completed record stores its length in one byte.
+		return Claim{}, fmt.Errorf("idempotency: operation ID of %d bytes, want 1..255", l)
+	}
 	rec, seq, leases := s.recordKeys(req.Key)
 	watch := "0"
 	if req.Watch {

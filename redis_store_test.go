@@ -337,3 +337,72 @@ func TestRedisOutage(t *testing.T) {
 	}, 10*time.Second, 50*time.Millisecond)
 	assert.Equal(t, int32(1), runs.Load())
 }
+
+// go-redis sends a script again after a network error, so a claim whose
+// reply was lost runs twice: the second run must answer as the first did,
+// not report the caller's own claim as someone else's in flight.
+func TestRedisClaimRunTwice(t *testing.T) {
+	redisBackends(t, func(t *testing.T, c *redis.Client) {
+		s := newRedisStore(t, c)
+		ctx := context.Background()
+		k, fp := Key{Name: "twice"}, FingerprintOf("op", nil)
+		req := ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op_first", Lease: time.Minute, Retention: time.Hour}
+		first, err := s.Claim(ctx, req)
+		require.NoError(t, err)
+		again, err := s.Claim(ctx, req)
+		require.NoError(t, err)
+		assert.Equal(t, first, again)
+
+		other := req
+		other.OperationID = "op_other"
+		busy, err := s.Claim(ctx, other)
+		require.NoError(t, err)
+		assert.Equal(t, InFlight, busy.State, "another claim still finds the record in flight")
+
+		require.NoError(t, s.Release(ctx, k, first.Token, false))
+		taker := req
+		taker.OperationID = "op_taker"
+		took, err := s.Claim(ctx, taker)
+		require.NoError(t, err)
+		require.Equal(t, Owner, took.State)
+		again, err = s.Claim(ctx, taker)
+		require.NoError(t, err)
+		assert.Equal(t, took, again, "a takeover run twice")
+		assert.Equal(t, "op_first", again.OperationID)
+		assert.Equal(t, 2, again.Attempt)
+	})
+}
+
+// A completed record is one compact string; its replay still carries the
+// operation ID and the response, and a different request still mismatches.
+func TestRedisCompletedRecordLayout(t *testing.T) {
+	redisBackends(t, func(t *testing.T, c *redis.Client) {
+		s := newRedisStore(t, c)
+		ctx := context.Background()
+		k, fp := Key{Name: "layout"}, FingerprintOf("op", []byte("a"))
+		claim, err := s.Claim(ctx, ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op_layout", Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
+		resp := Response{Status: 201, Header: map[string][]string{"A": {"1", "2"}}, Body: []byte("body\x00\xff")}
+		require.NoError(t, s.Complete(ctx, k, claim.Token, resp, time.Hour))
+		rec, _, _ := s.recordKeys(k)
+		assert.Equal(t, "string", c.Type(ctx, rec).Val())
+		ttl := c.PTTL(ctx, rec).Val()
+		assert.True(t, ttl > 59*time.Minute && ttl <= time.Hour, "retention %v", ttl)
+
+		got, err := s.Claim(ctx, ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op_x", Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
+		assert.Equal(t, Claim{State: Completed, OperationID: "op_layout", Response: resp}, got)
+		got, err = s.Claim(ctx, ClaimRequest{Key: k, Fingerprint: FingerprintOf("op", []byte("b")), OperationID: "op_y", Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
+		assert.Equal(t, Mismatch, got.State)
+		for _, err := range []error{
+			s.Complete(ctx, k, claim.Token, resp, time.Hour),
+			s.Release(ctx, k, claim.Token, false),
+			s.Heartbeat(ctx, k, claim.Token, time.Minute),
+		} {
+			assert.ErrorIs(t, err, ErrFenced)
+		}
+		_, err = s.Claim(ctx, ClaimRequest{Key: k, Fingerprint: fp, OperationID: strings.Repeat("x", 256), Lease: time.Minute, Retention: time.Hour})
+		assert.Error(t, err, "an operation ID too long to store")
+	})
+}

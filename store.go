@@ -66,7 +66,7 @@ type Subscription interface {
 type ClaimRequest struct {
 	Key         Key
 	Fingerprint Fingerprint
-	OperationID string        // used only when the claim creates the record
+	OperationID string        // 1..255 bytes, unique to this claim; kept only when the claim creates the record
 	Lease       time.Duration // how long the new owner holds the record
 	Retention   time.Duration // how long a new record is kept, and at least how long a taken-over one is
 	Watch       bool          // the caller will wait if the record is in flight

@@ -9,8 +9,11 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
 local due = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 for _, rec in ipairs(due) do
-  local cur = redis.call('HMGET', rec, 's', 'l', 'f')
-  if cur[1] == 'p' and tonumber(cur[2]) <= now then
+  local cur = redis.pcall('HMGET', rec, 's', 'l', 'f')
+  if cur.err then
+    -- A completed record (a string, see claim.lua): the entry is stale.
+    redis.call('ZREM', leases, rec)
+  elseif cur[1] == 'p' and tonumber(cur[2]) <= now then
     out[#out + 1] = rec
     out[#out + 1] = cur[3]
     out[#out + 1] = cur[2]

@@ -2,8 +2,8 @@
 -- KEYS[1] the record, KEYS[2] its slot's in-flight index. ARGV: token,
 -- lease ms (0 gives the record up: it stays in flight, abandoned).
 local rec = KEYS[1]
-local cur = redis.call('HMGET', rec, 's', 't')
-if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then
+local cur = redis.pcall('HMGET', rec, 's', 't')
+if cur.err or cur[1] ~= 'p' or cur[2] ~= ARGV[1] then
   return redis.error_reply('FENCED not the current owner')
 end
 local t = redis.call('TIME')
