@@ -83,11 +83,12 @@ func respondAfter(ctx context.Context, latency time.Duration) error {
 }
 
 // Redis keys of the example's own state, beside the idempotency records.
+// Keys used together share a hash tag, so that they work on a Redis Cluster.
 const (
-	gatewayCallsKey   = "payments:gateway:calls"   // a counter
-	gatewayChargesKey = "payments:gateway:charges" // downstream key -> charge JSON
-	ledgerKey         = "payments:ledger"          // charge id -> charge JSON
-	ledgerTokensKey   = "payments:ledger:tokens"   // charge id -> token of its last writer
+	gatewayCallsKey   = "payments:{gateway}:calls"   // a counter
+	gatewayChargesKey = "payments:{gateway}:charges" // downstream key -> charge JSON
+	ledgerKey         = "payments:{ledger}"          // charge id -> charge JSON
+	ledgerTokensKey   = "payments:{ledger}:tokens"   // charge id -> token of its last writer
 )
 
 // recordScript writes a ledger entry unless a greater token wrote it before.

@@ -6,10 +6,11 @@
 //
 // Usage:
 //
-//	payments [-addr 127.0.0.1:8080] [-redis HOST:PORT | -postgres DSN] [-work 20ms] [-lease 0] [-wait 0] [-sweep 0]
+//	payments [-addr 127.0.0.1:8080] [-redis HOST:PORT | -cluster ADDR,... | -postgres DSN] [-work 20ms] [-lease 0] [-wait 0] [-sweep 0]
 //
-// Without -redis or -postgres it runs on an embedded Redis (miniredis), which
-// no other process sees: fine for a try-out, not for several instances.
+// Without -redis, -cluster or -postgres it runs on an embedded Redis
+// (miniredis), which no other process sees: fine for a try-out, not for
+// several instances.
 //
 // The gateway and the ledger live in the same database as the idempotency
 // records. The gateway deduplicates on its own idempotency key, which the
@@ -36,6 +37,7 @@ import (
 	"net"
 	"net/http"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -48,7 +50,8 @@ import (
 )
 
 type config struct {
-	addr, redis, postgres    string
+	addr, redis, cluster     string
+	postgres                 string
 	work, lease, wait, sweep time.Duration
 }
 
@@ -57,6 +60,7 @@ func main() {
 	var cfg config
 	flag.StringVar(&cfg.addr, "addr", "127.0.0.1:8080", "`address` to listen on; port 0 picks a free port")
 	flag.StringVar(&cfg.redis, "redis", "", "Redis `HOST:PORT` shared by every instance (default: an embedded Redis, not shared)")
+	flag.StringVar(&cfg.cluster, "cluster", "", "Redis Cluster seed nodes `ADDR,ADDR,...` shared by every instance, instead of -redis")
 	flag.StringVar(&cfg.postgres, "postgres", "", "PostgreSQL `DSN` shared by every instance, instead of Redis")
 	flag.DurationVar(&cfg.work, "work", 20*time.Millisecond, "time the simulated gateway takes per call")
 	flag.DurationVar(&cfg.lease, "lease", 0, "the idempotency lease (0: the library's default)")
@@ -145,8 +149,14 @@ type backends struct {
 }
 
 func open(ctx context.Context, cfg config) (*backends, error) {
-	if cfg.redis != "" && cfg.postgres != "" {
-		return nil, errors.New("give -redis or -postgres, not both")
+	given := 0
+	for _, v := range []string{cfg.redis, cfg.cluster, cfg.postgres} {
+		if v != "" {
+			given++
+		}
+	}
+	if given > 1 {
+		return nil, errors.New("give one of -redis, -cluster and -postgres")
 	}
 	if cfg.postgres != "" {
 		return openPostgres(ctx, cfg)
@@ -174,7 +184,7 @@ func openPostgres(ctx context.Context, cfg config) (*backends, error) {
 func openRedis(ctx context.Context, cfg config) (*backends, error) {
 	addr := cfg.redis
 	closeEmbedded := func() {}
-	if addr == "" {
+	if addr == "" && cfg.cluster == "" {
 		m := miniredis.NewMiniRedis()
 		if err := m.Start(); err != nil {
 			return nil, err
@@ -183,7 +193,11 @@ func openRedis(ctx context.Context, cfg config) (*backends, error) {
 		log.Printf("WARNING: no -redis or -postgres: using an embedded Redis (miniredis) at %s. "+
 			"It is not shared between processes: instances started this way do not act as one service.", addr)
 	}
-	c := redis.NewClient(&redis.Options{Addr: addr})
+	var c redis.UniversalClient = redis.NewClient(&redis.Options{Addr: addr})
+	if cfg.cluster != "" {
+		addr = cfg.cluster
+		c = redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(cfg.cluster, ",")})
+	}
 	if err := c.Ping(ctx).Err(); err != nil {
 		c.Close()
 		closeEmbedded()

@@ -482,6 +482,20 @@ func TestInstancesOnRedisActAsOne(t *testing.T) {
 	requireOneService(t, instances)
 }
 
+func TestInstancesOnClusterActAsOne(t *testing.T) {
+	t.Parallel()
+	cl := testserver.StartCluster(t, 3, 0)
+	var instances []*instance
+	for range 3 {
+		instances = append(instances, start(t, "-cluster", strings.Join(cl.Addrs, ","), "-sweep", "50ms"))
+	}
+	requireOneService(t, instances)
+	// The records spread over every master, not one.
+	for _, n := range cl.Nodes {
+		assert.NotZero(t, n.Client().DBSize(t.Context()).Val(), "master %s holds no key", n.Addr)
+	}
+}
+
 func TestInstancesOnPostgresActAsOne(t *testing.T) {
 	t.Parallel()
 	pg := testserver.StartPostgres(t)
