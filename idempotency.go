@@ -413,59 +413,71 @@ func (g *Guard) abandon(ctx context.Context, k Key, token uint64) error {
 // no hand-off to stop it, which cost a new operation on Redis a tenth of
 // its throughput.
 func (g *Guard) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, k Key, token uint64) (stop func() error) {
-	every := g.opts.Lease / 3
-	var (
-		mu       sync.Mutex
-		t        *time.Timer
-		stopped  bool
-		renewing sync.WaitGroup // a renewal in progress
-		lost     error          // written by a renewal, read after renewing.Wait
-		renewed  = time.Now()   // renewals never overlap: each arms the next when it ends
-	)
-	renew := func() {
-		began := time.Now()
-		mu.Lock()
-		if stopped || ctx.Err() != nil {
-			mu.Unlock()
-			return
-		}
-		// Under mu, before stop sets stopped: so never after stop's Wait began.
-		renewing.Add(1)
-		mu.Unlock()
-		defer renewing.Done()
+	r := &renewer{g: g, ctx: ctx, cancel: cancel, k: k, token: token, renewed: time.Now()}
+	r.mu.Lock()
+	r.t = time.AfterFunc(g.opts.Lease/3, r.renew)
+	r.mu.Unlock()
+	return r.stop
+}
 
-		err := g.store.Heartbeat(ctx, k, token, g.opts.Lease)
-		switch {
-		case err == nil:
-			renewed = time.Now()
-		case errors.Is(err, ErrFenced):
-			lost = err
-		case time.Since(renewed) >= g.opts.Lease:
-			lost = fmt.Errorf("%w: lease not renewed for %v: %w", ErrFenced, time.Since(renewed).Round(time.Millisecond), err)
-		}
-		if lost != nil {
-			cancel(lost)
-			return
-		}
-		mu.Lock()
-		if !stopped {
-			// Keep the cadence of a ticker: a slow renewal does not
-			// postpone the next one.
-			t.Reset(max(every-time.Since(began), 0))
-		}
-		mu.Unlock()
+// renewer renews one owner's lease; see Guard.heartbeat.
+type renewer struct {
+	g      *Guard
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	k      Key
+	token  uint64
+
+	mu       sync.Mutex
+	t        *time.Timer
+	stopped  bool
+	renewing sync.WaitGroup // a renewal in progress
+	lost     error          // written by a renewal, read after renewing.Wait
+	renewed  time.Time      // renewals never overlap: each arms the next when it ends
+}
+
+func (r *renewer) renew() {
+	began := time.Now()
+	r.mu.Lock()
+	if r.stopped || r.ctx.Err() != nil {
+		r.mu.Unlock()
+		return
 	}
-	mu.Lock()
-	t = time.AfterFunc(every, renew)
-	mu.Unlock()
-	return func() error {
-		mu.Lock()
-		stopped = true
-		t.Stop()
-		mu.Unlock()
-		renewing.Wait()
-		return lost
+	// Under mu, before stop sets stopped: so never after stop's Wait began.
+	r.renewing.Add(1)
+	r.mu.Unlock()
+	defer r.renewing.Done()
+
+	lease := r.g.opts.Lease
+	err := r.g.store.Heartbeat(r.ctx, r.k, r.token, lease)
+	switch {
+	case err == nil:
+		r.renewed = time.Now()
+	case errors.Is(err, ErrFenced):
+		r.lost = err
+	case time.Since(r.renewed) >= lease:
+		r.lost = fmt.Errorf("%w: lease not renewed for %v: %w", ErrFenced, time.Since(r.renewed).Round(time.Millisecond), err)
 	}
+	if r.lost != nil {
+		r.cancel(r.lost)
+		return
+	}
+	r.mu.Lock()
+	if !r.stopped {
+		// Keep the cadence of a ticker: a slow renewal does not postpone
+		// the next one.
+		r.t.Reset(max(lease/3-time.Since(began), 0))
+	}
+	r.mu.Unlock()
+}
+
+func (r *renewer) stop() error {
+	r.mu.Lock()
+	r.stopped = true
+	r.t.Stop()
+	r.mu.Unlock()
+	r.renewing.Wait()
+	return r.lost
 }
 
 // Info describes the attempt that is running an operation; fn and HTTP

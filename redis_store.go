@@ -143,17 +143,22 @@ func (s *RedisStore) Close() error { return s.waits.close() }
 const buckets = 1024
 
 // recordKeys returns the record's key, and its bucket's token sequence and
-// in-flight index.
+// in-flight index, cut from one string since every call builds them. In
+// the record's key the scope is length-prefixed, so no (scope, name) pair
+// can be spelled as another, and the spelling parses back (see
+// parseRecordName).
 func (s *RedisStore) recordKeys(k Key) (rec, seq, leases string) {
-	tag := s.bucketTag(bucketOf(k))
-	return tag + recordName(k), tag + "seq", tag + "leases"
-}
-
-// recordName spells k inside a bucket. The scope is length-prefixed, so no
-// (scope, name) pair can be spelled as another, and the spelling parses
-// back (see parseRecordName).
-func recordName(k Key) string {
-	return strconv.Itoa(len(k.Scope)) + ":" + k.Scope + ":" + k.Name
+	bucket := bucketOf(k)
+	b := make([]byte, 0, 3*(len(s.prefix)+8)+len(k.Scope)+len(k.Name)+20)
+	b = s.appendTag(b, bucket)
+	b = strconv.AppendInt(b, int64(len(k.Scope)), 10)
+	b = append(append(append(append(b, ':'), k.Scope...), ':'), k.Name...)
+	recEnd := len(b)
+	b = append(s.appendTag(b, bucket), "seq"...)
+	seqEnd := len(b)
+	b = append(s.appendTag(b, bucket), "leases"...)
+	all := string(b)
+	return all[:recEnd], all[recEnd:seqEnd], all[seqEnd:]
 }
 
 func parseRecordName(s string) (Key, bool) {
@@ -166,8 +171,13 @@ func parseRecordName(s string) (Key, bool) {
 }
 
 // bucketTag is the prefix, hash tag included, of a bucket's keys.
-func (s *RedisStore) bucketTag(b uint32) string {
-	return s.prefix + "{" + strconv.FormatUint(uint64(b), 10) + "}:"
+func (s *RedisStore) bucketTag(bucket uint32) string {
+	return string(s.appendTag(nil, bucket))
+}
+
+func (s *RedisStore) appendTag(b []byte, bucket uint32) []byte {
+	b = append(append(b, s.prefix...), '{')
+	return append(strconv.AppendUint(b, uint64(bucket), 10), "}:"...)
 }
 
 func bucketOf(k Key) uint32 {
