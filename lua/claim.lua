@@ -16,15 +16,20 @@
 local rec, seq, leases = KEYS[1], KEYS[2], KEYS[3]
 local fp, op, lease, retention = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 
-local cur = redis.pcall('HMGET', rec, 's', 'f', 'o', 'a', 'l', 't', 'n', 'x')
-if cur.err then
-  -- Not a hash: completed. Replays cost no clock read.
-  local v = redis.call('GET', rec)
+-- GET first: it answers the two common cases, no record and completed,
+-- without raising an error; only a record in flight or released needs more.
+local v = redis.pcall('GET', rec)
+if v and not v.err then
+  -- Completed. Replays cost no clock read.
   if string.sub(v, 2, 33) ~= fp then
     return {'mismatch'}
   end
   local n = string.byte(v, 34)
   return {'completed', string.sub(v, 35, 34 + n), string.sub(v, 35 + n)}
+end
+local cur = {}
+if v then
+  cur = redis.call('HMGET', rec, 's', 'f', 'o', 'a', 'l', 't', 'n', 'x')
 end
 
 local t = redis.call('TIME')
