@@ -171,7 +171,6 @@ var (
 	errKeyRepeated    = errors.New("idempotency: Idempotency-Key header repeated")
 	errScope          = errors.New("idempotency: no scope for the request")
 	errBodyUnreadable = errors.New("idempotency: request body unreadable")
-	errHandlerPanic   = errors.New("idempotency: handler panicked")
 	errNotStored      = errors.New("idempotency: response discarded: its outcome could not be stored")
 	errHijack         = errors.New("idempotency: Hijack is not supported by a guarded handler")
 )
@@ -295,95 +294,52 @@ func withBody(ctx context.Context, r *http.Request, body []byte) *http.Request {
 	return r
 }
 
-// exchange connects the request goroutine, which runs the handler, with the
-// goroutine that runs Guard.Do, whose fn waits for the handler's outcome.
-// Running Do apart lets fn return, and Do store the outcome, while the
-// handler is still writing: that is how a response too large to buffer is
-// stored before its first byte is sent. The handler stays on the request
-// goroutine, so a panic keeps its stack and reaches net/http unchanged.
-type exchange struct {
-	owner   chan context.Context // fn's context, once the caller owns the record
-	outcome chan Response        // what fn returns; closed if the handler panicked
-	done    chan doResult        // what Do returned
-}
-
-type doResult struct {
-	res Result
-	err error
-}
-
-// settle hands the outcome to fn and waits until Do has settled the record.
-func (x *exchange) settle(resp Response) error {
-	x.outcome <- resp
-	return (<-x.done).err
-}
-
+// serve runs the handler as g.Do's operation, on the request's goroutine,
+// so that a panic keeps its stack. The handler writes to a recorder; Do
+// stores the outcome when the handler returns, and only then is it sent.
+// A body too large to buffer is settled early instead (Info.settleEarly),
+// from inside the handler's Write, and then streamed.
 func (h *guarded) serve(w http.ResponseWriter, r *http.Request, k Key, fp Fingerprint, body []byte) {
-	x := &exchange{owner: make(chan context.Context), outcome: make(chan Response), done: make(chan doResult, 1)}
-	go func() {
-		res, err := h.g.Do(r.Context(), k, fp, func(ctx context.Context) (Response, error) {
-			x.owner <- ctx
-			resp, ok := <-x.outcome
-			if !ok {
-				return Response{}, errHandlerPanic
+	var rec *recorder // set once the handler runs: Do made this request the owner
+	res, err := h.g.Do(r.Context(), k, fp, func(ctx context.Context) (Response, error) {
+		info, _ := FromContext(ctx)
+		rec = &recorder{w: w, header: make(http.Header), limit: h.o.MaxResponseBytes}
+		rec.settle = func(resp Response) error {
+			info.defaultTo(h.o.Disposition(resp.Status))
+			err := info.settleEarly(resp)
+			if err != nil {
+				h.fail(w, err)
 			}
-			return resp, nil
-		})
-		x.done <- doResult{res, err}
-	}()
-	select {
-	case ctx := <-x.owner:
-		h.run(ctx, w, r, x, body)
-	case d := <-x.done:
-		// fn never ran: a replay, or nothing happened yet. Only then may
-		// FailOpen run the handler; never when the record is known to be
-		// in flight elsewhere, nor when the client has gone, for then the
-		// store's failure may be the cancelled request's doing.
-		switch {
-		case d.err == nil:
-			sendHead(w, d.res.Response.Status, d.res.Response.Header, true)
-			_, _ = w.Write(d.res.Response.Body)
-		case h.o.FailOpen && errors.Is(d.err, ErrUnavailable) && !errors.Is(d.err, ErrInFlight) && r.Context().Err() == nil:
+			return err
+		}
+		h.next.ServeHTTP(rec, withBody(ctx, r, body))
+		resp, err := rec.outcome()
+		if err == nil {
+			info.defaultTo(h.o.Disposition(resp.Status))
+		}
+		return resp, err
+	})
+	switch {
+	case rec == nil && err == nil:
+		sendHead(w, res.Response.Status, res.Response.Header, true)
+		_, _ = w.Write(res.Response.Body)
+	case rec == nil:
+		// The handler never ran. Only then may FailOpen run it; never when
+		// the record is known to be in flight elsewhere, nor when the
+		// client has gone, for then the store's failure may be the
+		// cancelled request's doing.
+		if h.o.FailOpen && errors.Is(err, ErrUnavailable) && !errors.Is(err, ErrInFlight) && r.Context().Err() == nil {
 			h.next.ServeHTTP(w, withBody(r.Context(), r, body))
-		default:
-			h.fail(w, d.err)
+			return
 		}
+		h.fail(w, err)
+	case rec.state != recording:
+		// Settled early and streamed, or answered with a problem already.
+	case err != nil:
+		h.fail(w, err)
+	default:
+		rec.send()
 	}
-}
-
-// run runs the handler as the record's owner; fctx is fn's context.
-func (h *guarded) run(fctx context.Context, w http.ResponseWriter, r *http.Request, x *exchange, body []byte) {
-	info, _ := FromContext(fctx)
-	// The handler's context is not fctx, which Do cancels once fn returns,
-	// possibly while a too-large response is still being written. It has
-	// the same Info and follows fctx's cancellation (a lost lease, the
-	// client gone) until the outcome is settled.
-	ctx, cancel := context.WithCancelCause(context.WithValue(r.Context(), infoKey{}, info))
-	defer cancel(nil)
-	detach := context.AfterFunc(fctx, func() { cancel(context.Cause(fctx)) })
-	rec := &recorder{w: w, header: make(http.Header), limit: h.o.MaxResponseBytes}
-	handed := false // the outcome went to fn
-	rec.settle = func(resp Response) error {
-		info.defaultTo(h.o.Disposition(resp.Status))
-		detach()
-		handed = true
-		err := x.settle(resp)
-		if err != nil {
-			h.fail(w, err)
-		}
-		return err
-	}
-	defer func() {
-		if !handed {
-			// The handler panicked or called runtime.Goexit: Do releases
-			// the record, and only then does the panic go on, so that a
-			// retry finds the key free.
-			close(x.outcome)
-			<-x.done
-		}
-	}()
-	h.next.ServeHTTP(rec, withBody(ctx, r, body))
-	rec.finish()
 }
 
 // recorder is the handler's ResponseWriter. It buffers the response until
@@ -474,18 +430,24 @@ func (rec *recorder) overflow(p []byte) (int, error) {
 	return rec.w.Write(p)
 }
 
-// finish settles the outcome of a handler that returned, then sends it.
-func (rec *recorder) finish() {
-	if rec.state != recording {
-		return
+// outcome is the response of a handler that returned, to be stored before
+// send sends it.
+func (rec *recorder) outcome() (Response, error) {
+	switch rec.state {
+	case passing:
+		return Response{}, nil // settled already, before it streamed
+	case discarding:
+		return Response{}, errNotStored
 	}
 	if rec.status == 0 {
 		rec.WriteHeader(http.StatusOK)
 	}
 	setContentType(rec.sent, rec.body, nil)
-	if rec.settle(Response{Status: rec.status, Header: storedHeader(rec.sent), Body: rec.body}) != nil {
-		return
-	}
+	return Response{Status: rec.status, Header: storedHeader(rec.sent), Body: rec.body}, nil
+}
+
+// send sends the response once its outcome is stored.
+func (rec *recorder) send() {
 	sendHead(rec.w, rec.status, rec.sent, false)
 	_, _ = rec.w.Write(rec.body)
 	copyTrailers(rec.w.Header(), rec.header)

@@ -316,7 +316,7 @@ func (g *Guard) run(ctx context.Context, k Key, c Claim, fn func(ctx context.Con
 		// The hook found that the operation never happened: run it now,
 		// still as the owner.
 	}
-	resp, d, fnErr, lost := g.attempt(ctx, k, c, fn, g.release)
+	resp, d, fnErr, lost := g.attempt(ctx, k, c, fn, g.release, true)
 	if fnErr != nil {
 		if err := g.release(ctx, k, c.Token); err != nil {
 			return Result{}, errors.Join(fnErr, err)
@@ -337,7 +337,7 @@ func (g *Guard) run(ctx context.Context, k Key, c Claim, fn func(ctx context.Con
 // the record is left abandoned for a later retry or sweep, and the error
 // matches ErrInFlight: the operation may still have happened.
 func (g *Guard) recover(ctx context.Context, k Key, c Claim) (Response, Disposition, error) {
-	resp, d, err, lost := g.attempt(ctx, k, c, g.opts.Recover, g.abandon)
+	resp, d, err, lost := g.attempt(ctx, k, c, g.opts.Recover, g.abandon, false)
 	if err != nil {
 		if aerr := g.abandon(ctx, k, c.Token); aerr != nil {
 			err = errors.Join(err, aerr)
@@ -358,13 +358,29 @@ func (g *Guard) recover(ctx context.Context, k Key, c Claim) (Response, Disposit
 // attempt runs f as the owner of c under a renewing lease. It returns f's
 // response, the disposition chosen for it, f's error, and why the lease was
 // lost, if it was. Should f panic, onPanic settles the record before the
-// panic goes on.
+// panic goes on. With early, f may settle the record before it returns
+// (see Info.settleEarly); the disposition is then Settled.
 func (g *Guard) attempt(ctx context.Context, k Key, c Claim, f func(ctx context.Context) (Response, error),
-	onPanic func(context.Context, Key, uint64) error) (resp Response, d Disposition, err, lost error) {
+	onPanic func(context.Context, Key, uint64) error, early bool) (resp Response, d Disposition, err, lost error) {
 	info := &Info{OperationID: c.OperationID, Attempt: c.Attempt, Token: c.Token, Takeover: c.Attempt > 1, Abandoned: c.Abandoned}
 	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, infoKey{}, info))
 	defer cancel(nil)
 	stop := g.heartbeat(fctx, cancel, k, c.Token)
+	settled := false
+	if early {
+		// Called on f's goroutine, before f returns: settled needs no lock.
+		info.early = func(resp Response) error {
+			d := info.disposition()
+			if lost := stop(); lost != nil && d != Settled {
+				return lost
+			}
+			if err := g.settle(ctx, k, c.Token, resp, d); err != nil {
+				return err
+			}
+			settled = true
+			return nil
+		}
+	}
 	returned := false
 	defer func() {
 		if !returned {
@@ -375,6 +391,9 @@ func (g *Guard) attempt(ctx context.Context, k Key, c Claim, f func(ctx context.
 	resp, err = f(fctx)
 	returned = true
 	lost = stop()
+	if settled {
+		return resp, Settled, err, lost
+	}
 	return resp, info.disposition(), err, lost
 }
 
@@ -504,6 +523,18 @@ type Info struct {
 	mu     sync.Mutex
 	set    bool // SetDisposition was called: the default no longer applies
 	chosen Disposition
+	early  func(Response) error // see settleEarly
+}
+
+// settleEarly settles the record with resp while the operation still runs,
+// as the middleware does before streaming a response too large to buffer.
+// The operation's later return then settles nothing. It is there only for
+// an operation run by Guard.Do (not for Options.Recover).
+func (i *Info) settleEarly(resp Response) error {
+	if i.early == nil {
+		return errors.New("idempotency: no early settlement here")
+	}
+	return i.early(resp)
 }
 
 type infoKey struct{}
