@@ -3,6 +3,7 @@ package postgres_test
 import (
 	"context"
 	_ "embed"
+	"errors"
 	"fmt"
 	"net/http"
 	"sync"
@@ -52,6 +53,7 @@ func TestStore(t *testing.T) {
 		{"ConcurrentClaimsOnExpiredRecord", testConcurrentClaimsOnExpiredRecord},
 		{"CompleteTxRollback", testCompleteTxRollback},
 		{"CompleteTxCommit", testCompleteTxCommit},
+		{"GuardWithCompleteTx", testGuardWithCompleteTx},
 		{"DeleteExpired", testDeleteExpired},
 		{"ListenerReconnect", testListenerReconnect},
 		{"MigrateConcurrently", testMigrateConcurrently},
@@ -219,6 +221,72 @@ func charge(t *testing.T, f *fixture, s *postgres.Store, table string, k idempot
 	_, err = tx.Exec(t.Context(), "INSERT INTO "+table+" (operation_id, amount) VALUES ($1, 100)", c.OperationID)
 	require.NoError(t, err)
 	return tx, s.CompleteTx(t.Context(), tx, k, c.Token, okResponse, longRetention)
+}
+
+// Through Guard.Do, as an application uses it: the operation writes the
+// charge and completes the record in one transaction, and tells the Guard
+// with Settled. Concurrent duplicates wait and replay; the charge is
+// written once; an operation whose transaction fails writes nothing and the
+// retry, with the same operation ID, does it.
+func testGuardWithCompleteTx(t *testing.T, f *fixture) {
+	s, o := f.store(t)
+	table := charges(t, f, o)
+	g := idempotency.New(s, idempotency.Options{Lease: 2 * time.Second, Retention: longRetention, RecheckInterval: 50 * time.Millisecond})
+	k, print := key("guarded"), fp("guarded")
+	var runs atomic.Int32
+	failFirst := true
+	fn := func(ctx context.Context) (idempotency.Response, error) {
+		runs.Add(1)
+		info, _ := idempotency.FromContext(ctx)
+		tx, err := f.pool.Begin(ctx)
+		if err != nil {
+			return idempotency.Response{}, err
+		}
+		defer tx.Rollback(context.Background())
+		if _, err := tx.Exec(ctx, "INSERT INTO "+table+" (operation_id, amount) VALUES ($1, 100)", info.OperationID); err != nil {
+			return idempotency.Response{}, err
+		}
+		if failFirst {
+			failFirst = false
+			return idempotency.Response{}, errors.New("the business transaction failed")
+		}
+		resp := idempotency.Response{Status: 201, Body: []byte(info.OperationID)}
+		if err := s.CompleteTx(ctx, tx, k, info.Token, resp, longRetention); err != nil {
+			return idempotency.Response{}, err
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return idempotency.Response{}, err
+		}
+		idempotency.SetDisposition(ctx, idempotency.Settled)
+		return resp, nil
+	}
+	_, err := g.Do(t.Context(), k, print, fn)
+	require.ErrorContains(t, err, "business transaction failed")
+	assert.Zero(t, count(t, f, table), "the failed attempt wrote nothing")
+
+	var wg sync.WaitGroup
+	results := make([]idempotency.Result, 10)
+	for i := range results {
+		wg.Go(func() {
+			r, err := g.Do(t.Context(), k, print, fn)
+			assert.NoError(t, err)
+			results[i] = r
+		})
+	}
+	wg.Wait()
+	assert.Equal(t, int32(2), runs.Load(), "the failed attempt and one retry")
+	assert.Equal(t, 1, count(t, f, table))
+	replays := 0
+	for _, r := range results {
+		assert.Equal(t, results[0].Response.Body, r.Response.Body)
+		if r.Replayed {
+			replays++
+		}
+	}
+	assert.Equal(t, len(results)-1, replays)
+	var op string
+	require.NoError(t, f.pool.QueryRow(t.Context(), "SELECT operation_id FROM "+table).Scan(&op))
+	assert.Equal(t, op, string(results[0].Response.Body), "the retry kept the operation ID")
 }
 
 // A completion that rolls back with the business write leaves the record in
