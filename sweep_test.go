@@ -269,9 +269,6 @@ func TestHeartbeatKeepsOwnership(t *testing.T) {
 // context cancelled with ErrFenced, and its outcome is not stored.
 func TestFencedOwnerIsCancelled(t *testing.T) {
 	eachHarness(t, func(t *testing.T, h idempotencytest.Harness) {
-		if h.Advance != nil {
-			t.Skip("renewals run on real time; the real-time stores cover this")
-		}
 		g := idempotency.New(h.Store, idempotency.Options{Lease: testLease})
 		k, fp := idempotency.Key{Name: "fenced"}, idempotency.FingerprintOf("op", nil)
 		var cause error
