@@ -61,6 +61,13 @@ func TestStore(t *testing.T) {
 		{"TakeoverWaitsOutRelease", testTakeoverWaitsOutRelease},
 		{"AbandonedCorruptFingerprint", testAbandonedCorruptFingerprint},
 		{"ErrorsAreUnavailable", testErrorsAreUnavailable},
+		{"MigrationToRedis", func(t *testing.T, f *fixture) {
+			// The zero-gap swap from a PostgreSQL table to Redis.
+			old, _ := f.store(t)
+			redis := idempotency.NewRedisStore(testserver.StartRedis(t).Client(), idempotency.RedisOptions{})
+			t.Cleanup(func() { redis.Close() })
+			idempotencytest.RunMigration(t, old, redis)
+		}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) { c.run(t, f) })
