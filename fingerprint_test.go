@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"bytes"
+	"encoding/hex"
 	"encoding/json"
 	"math"
 	"math/rand/v2"
@@ -269,6 +270,8 @@ func FuzzCanonicalJSON(f *testing.F) {
 	})
 }
 
+// TestCanonicalJSONExamples checks exact output against RFC 8785's own
+// examples and a few of ours, independently of jcs.
 func TestCanonicalJSONExamples(t *testing.T) {
 	for _, tc := range []struct{ in, want string }{
 		{
@@ -366,9 +369,14 @@ func TestAppendECMAScriptNumber(t *testing.T) {
 	}
 }
 
+// TestCanonicalJSONRejects lists inputs that jcs refuses, so the
+// fingerprint hashes them raw: not JSON, not I-JSON (lone surrogates, invalid
+// UTF-8, duplicate names, numbers beyond a double). A failure leaves dst as
+// it was.
 func TestCanonicalJSONRejects(t *testing.T) {
 	for _, in := range []string{
-		``, ` `, `{} x`, `1 2`, `[1,]`, `{"a":1,}`, `{"a" 1}`, `{1:2}`, `[1 2]`, `[`, `[1`, `{"a":`, `{"a":1`, `{"a`, `{"\ud800":1}`, `"abc`, `"\`,
+		``, ` `, `{} x`, `1 2`, `[1,]`, `{"a":1,}`, `{"a" 1}`, `{1:2}`, `[1 2]`,
+		`[`, `[1`, `{"a":`, `{"a":1`, `{"a`, `{"\ud800":1}`, `"abc`, `"\`,
 		"\xef\xbb\xbf{}", `tru`, `True`, `nul`, `truex`, `[1]]`, `{}}`, `{"a":1]`, `[1}`,
 		`01`, `1.`, `.5`, `+1`, `-`, `1e`, `1e+`, `0x10`, `1_000`, `Infinity`, `NaN`, `1e309`, `-1e400`,
 		`{"a":1,"a":2}`, `{"a":1,"\u0061":2}`, `{"b":0,"a":1,"b":2}`,
@@ -488,4 +496,40 @@ func TestCanonicalJSONRandomDocuments(t *testing.T) {
 	// "\u0061" and "a" are the same name, so some documents are rejected.
 	assert.Greater(t, accepted, 1000)
 	assert.Greater(t, rejected, 100)
+}
+
+// TestFingerprintsStable pins fingerprints that the jcs-based canonicaliser
+// produced (commit 749a423): records stored before the change must still
+// match their retries. The last body is not canonicalisable (a duplicate
+// name) and is hashed raw.
+func TestFingerprintsStable(t *testing.T) {
+	for _, tc := range []struct{ body, of, request string }{
+		{
+			body: `{"currency":"eur","items":[{"sku":"sku_000000","quantity": 1, "amount":0.00},` +
+				`{"sku":"sku_007919","quantity": 2, "amount":137.50e1}],"customer":"cus_9s6XKzkNRiz8i3"}`,
+			of:      "a7be2250091069700584634de02e939b59fd743e29e575c93d4c86ee63d7e332",
+			request: "1954e571dfc33c1289bf3da8b8c083f5190576dd7cde2eda1fe351db28951cf2",
+		},
+		{
+			body: `{"\u20ac":"Euro Sign","\r":"Carriage Return","\ufb33":"Hebrew Letter Dalet With Dagesh","1":"One",` +
+				`"\ud83d\ude00":"Emoji: Grinning Face","\u0080":"Control","\u00f6":"Latin Small Letter O With Diaeresis"}`,
+			of:      "5fc739b3aac573d1a507ec397035c36107863fcf0d4fda66a60679c3063edaa2",
+			request: "7c2400cc6a14bf6b1825dd84c2672afc976a77cc4b7c04b61d5ad2a243d772fd",
+		},
+		{
+			body:    `[{"b":[{"d":1e21,"c":{"f":-0.0,"e":"\u2028\/"}}],"a":0.1},{"y":1,"x":2}]`,
+			of:      "3093b6eb3be205dc40d681755072718f81bd4ed997cec6645e8ee1d8c24c80eb",
+			request: "3a1cdb9b8a5ced25c23163df6a9e18ec540a817301d57b34cbfd1a14e4e61d81",
+		},
+		{
+			body:    `{"a":1,"a":2}`,
+			of:      "2951ab5cb878796575a5a09e4cbad46f4bfe48361ab00c058c0adf1088173b57",
+			request: "c235ffb422be93890e30ca0d427c555fc8d0e8b29b039c1234ba18de8dccfb98",
+		},
+	} {
+		of := FingerprintOf("charge", []byte(tc.body))
+		assert.Equal(t, tc.of, hex.EncodeToString(of[:]), tc.body)
+		_, request := jsonRequest("POST", "/v1/charges", tc.body)
+		assert.Equal(t, tc.request, hex.EncodeToString(request[:]), tc.body)
+	}
 }
