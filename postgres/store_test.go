@@ -480,15 +480,7 @@ func testMigrateConcurrently(t *testing.T, f *fixture) {
 	_, err := f.pool.Exec(ctx, "CREATE SCHEMA app")
 	require.NoError(t, err)
 	o := postgres.Options{Table: "app.records", Channel: "app_wake"}
-	errs := make([]error, 8)
-	var wg sync.WaitGroup
-	for i := range errs {
-		wg.Go(func() { errs[i] = postgres.New(f.pool, o).Migrate(ctx) })
-	}
-	wg.Wait()
-	for _, err := range errs {
-		require.NoError(t, err)
-	}
+	migrateConcurrently(t, f, o, 8)
 	s := postgres.New(f.pool, o)
 	require.NoError(t, s.Migrate(ctx))
 	require.Equal(t, idempotency.Owner, claim(t, s, request("k", longLease)).State)
@@ -496,6 +488,20 @@ func testMigrateConcurrently(t *testing.T, f *fixture) {
 }
 
 // Every failure to reach the database is ErrUnavailable, never ErrFenced.
+// migrateConcurrently runs Migrate from n Stores at once, as instances
+// starting together do, and requires every one to succeed.
+func migrateConcurrently(t *testing.T, f *fixture, o postgres.Options, n int) {
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range errs {
+		wg.Go(func() { errs[i] = postgres.New(f.pool, o).Migrate(t.Context()) })
+	}
+	wg.Wait()
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+}
+
 func testErrorsAreUnavailable(t *testing.T, f *fixture) {
 	ctx := t.Context()
 	_, o := f.store(t)
@@ -551,15 +557,7 @@ func testMigrateUpgrade(t *testing.T, f *fixture) {
 		Scan(&state, &token))
 	require.Equal(t, "owner", state)
 
-	errs := make([]error, 4)
-	var wg sync.WaitGroup
-	for i := range errs {
-		wg.Go(func() { errs[i] = postgres.New(f.pool, o).Migrate(ctx) })
-	}
-	wg.Wait()
-	for _, err := range errs {
-		require.NoError(t, err)
-	}
+	migrateConcurrently(t, f, o, 4)
 	s := postgres.New(f.pool, o)
 	t.Cleanup(s.Close)
 	require.NoError(t, s.Migrate(ctx), "Migrate on an up-to-date database")
