@@ -472,24 +472,25 @@ func concurrently(n int, f func(i int) (reply, error)) []reply {
 	return replies
 }
 
+// startN starts n instances with the same flags: one service.
+func startN(t *testing.T, n int, args ...string) []*instance {
+	instances := make([]*instance, n)
+	for i := range instances {
+		instances[i] = start(t, args...)
+	}
+	return instances
+}
+
 func TestInstancesOnRedisActAsOne(t *testing.T) {
 	t.Parallel()
 	r := testserver.StartRedis(t)
-	var instances []*instance
-	for range 3 {
-		instances = append(instances, start(t, "-redis", r.Addr, "-sweep", "50ms"))
-	}
-	requireOneService(t, instances)
+	requireOneService(t, startN(t, 3, "-redis", r.Addr, "-sweep", "50ms"))
 }
 
 func TestInstancesOnClusterActAsOne(t *testing.T) {
 	t.Parallel()
 	cl := testserver.StartCluster(t, 3, 0)
-	var instances []*instance
-	for range 3 {
-		instances = append(instances, start(t, "-cluster", strings.Join(cl.Addrs, ","), "-sweep", "50ms"))
-	}
-	requireOneService(t, instances)
+	requireOneService(t, startN(t, 3, "-cluster", strings.Join(cl.Addrs, ","), "-sweep", "50ms"))
 	// The records spread over every master, not one.
 	for _, n := range cl.Nodes {
 		assert.NotZero(t, n.Client().DBSize(t.Context()).Val(), "master %s holds no key", n.Addr)
@@ -499,11 +500,7 @@ func TestInstancesOnClusterActAsOne(t *testing.T) {
 func TestInstancesOnPostgresActAsOne(t *testing.T) {
 	t.Parallel()
 	pg := testserver.StartPostgres(t)
-	var instances []*instance
-	for range 2 {
-		instances = append(instances, start(t, "-postgres", pg.DSN, "-sweep", "50ms"))
-	}
-	requireOneService(t, instances)
+	requireOneService(t, startN(t, 2, "-postgres", pg.DSN, "-sweep", "50ms"))
 }
 
 // killAfterCharging sends one charge per key to owner, each with its own
