@@ -50,7 +50,7 @@ func TestRedisReplicas(t *testing.T) {
 			_, err := g.Do(ctx, k, fp, charge)
 			require.NoError(t, err)
 		}), "new operation: claim and completion, each confirmed")
-		rec, _, _ := s.recordKeys(k)
+		rec, _ := s.recordKey(k)
 		// A completed record is one string starting with "c" (see claim.lua).
 		assert.Equal(t, "c", rc.GetRange(ctx, rec, 0, 0).Val(), "the replica holds the completion once Do returns")
 		assert.Equal(t, map[string]int{"evalsha": 1, "wait": 1}, countCommands(t, primary.Addr, func() {

@@ -3,7 +3,9 @@ package idempotency
 import (
 	"cmp"
 	"context"
+	"crypto/sha1"
 	_ "embed"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"slices"
@@ -15,6 +17,8 @@ import (
 )
 
 var (
+	//go:embed lua/record.lua
+	recordLua string
 	//go:embed lua/claim.lua
 	claimLua string
 	//go:embed lua/complete.lua
@@ -26,6 +30,51 @@ var (
 	//go:embed lua/abandoned.lua
 	abandonedLua string
 )
+
+// script is one of the store's Lua scripts, the record's encoding
+// (lua/record.lua) before it. It is run as go-redis's Script runs one,
+// EVALSHA and EVAL when the server lacks it, but from one argument slice
+// the caller fills: the hot paths then box no argument twice.
+type script struct {
+	src     string
+	evalsha [2]any // "evalsha" and the digest, boxed once
+}
+
+func newScript(body string) *script {
+	src := recordLua + body
+	sum := sha1.Sum([]byte(src))
+	return &script{src: src, evalsha: [2]any{"evalsha", hex.EncodeToString(sum[:])}}
+}
+
+// args starts the command that runs sc on numKeys keys, with room for the
+// keys and arguments to come, n in all.
+func (sc *script) args(numKeys string, n int) []any {
+	return append(append(make([]any, 0, 3+n), sc.evalsha[:]...), numKeys)
+}
+
+// bySource turns args, made by sc.args, into an EVAL of sc's source.
+func (sc *script) bySource(args []any) {
+	args[0], args[1] = "eval", sc.src
+}
+
+// run sends args, made by sc.args, on c.
+func (sc *script) run(ctx context.Context, c redis.UniversalClient, args []any) *redis.Cmd {
+	cmd := redis.NewCmd(ctx, args...)
+	_ = c.Process(ctx, cmd)
+	return sc.loaded(ctx, c, args, cmd)
+}
+
+// loaded returns cmd, the reply to args (made by sc.args), or when the
+// server lacked the script, the reply to sending it by source.
+func (sc *script) loaded(ctx context.Context, c redis.UniversalClient, args []any, cmd *redis.Cmd) *redis.Cmd {
+	if !redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+		return cmd
+	}
+	sc.bySource(args)
+	cmd = redis.NewCmd(ctx, args...)
+	_ = c.Process(ctx, cmd)
+	return cmd
+}
 
 // RedisOptions configures a RedisStore. The zero value of every field is its
 // documented default.
@@ -62,13 +111,14 @@ type RedisOptions struct {
 type RedisStore struct {
 	c        redis.UniversalClient
 	prefix   string
-	publish  string // the command that wakes waiters, run by the scripts
-	claim    *redis.Script
-	complete *redis.Script
-	release  *redis.Script
-	beat     *redis.Script
-	sweep    *redis.Script
+	publish  any // the command that wakes waiters, run by the scripts
+	claim    *script
+	complete *script
+	release  *script
+	beat     *script
+	sweep    *script
 	waits    *waiters
+	buckets  [buckets]bucketKeys
 
 	replicas       int
 	replicaTimeout time.Duration
@@ -99,13 +149,17 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 	s := &RedisStore{
 		c:              c,
 		prefix:         o.Prefix,
-		claim:          redis.NewScript(claimLua),
-		complete:       redis.NewScript(completeLua),
-		release:        redis.NewScript(releaseLua),
-		beat:           redis.NewScript(heartbeatLua),
-		sweep:          redis.NewScript(abandonedLua),
+		claim:          newScript(claimLua),
+		complete:       newScript(completeLua),
+		release:        newScript(releaseLua),
+		beat:           newScript(heartbeatLua),
+		sweep:          newScript(abandonedLua),
 		replicas:       o.Replicas,
 		replicaTimeout: o.ReplicaTimeout,
+	}
+	for b := range s.buckets {
+		tag := s.bucketTag(uint32(b))
+		s.buckets[b] = bucketKeys{seq: tag + "seq", leases: tag + "leases"}
 	}
 	var readTimeout time.Duration
 	switch c := c.(type) {
@@ -142,23 +196,21 @@ func (s *RedisStore) Close() error { return s.waits.close() }
 // number of records kept.
 const buckets = 1024
 
-// recordKeys returns the record's key, and its bucket's token sequence and
-// in-flight index, cut from one string since every call builds them. In
-// the record's key the scope is length-prefixed, so no (scope, name) pair
-// can be spelled as another, and the spelling parses back (see
-// parseRecordName).
-func (s *RedisStore) recordKeys(k Key) (rec, seq, leases string) {
+// bucketKeys are the keys the records of one bucket share: its token
+// sequence and its in-flight index. They are boxed once, since every script
+// call sends them and boxing a string allocates.
+type bucketKeys struct{ seq, leases any }
+
+// recordKey returns the key of k's record, and the keys of its bucket. The
+// scope is length-prefixed, so no (scope, name) pair can be spelled as
+// another, and the spelling parses back (see parseRecordName).
+func (s *RedisStore) recordKey(k Key) (string, *bucketKeys) {
 	bucket := bucketOf(k)
-	b := make([]byte, 0, 3*(len(s.prefix)+8)+len(k.Scope)+len(k.Name)+20)
+	b := make([]byte, 0, len(s.prefix)+len(k.Scope)+len(k.Name)+16)
 	b = s.appendTag(b, bucket)
 	b = strconv.AppendInt(b, int64(len(k.Scope)), 10)
 	b = append(append(append(append(b, ':'), k.Scope...), ':'), k.Name...)
-	recEnd := len(b)
-	b = append(s.appendTag(b, bucket), "seq"...)
-	seqEnd := len(b)
-	b = append(s.appendTag(b, bucket), "leases"...)
-	all := string(b)
-	return all[:recEnd], all[recEnd:seqEnd], all[seqEnd:]
+	return string(b), &s.buckets[bucket]
 }
 
 func parseRecordName(s string) (Key, bool) {
@@ -203,25 +255,29 @@ func bucketOf(k Key) uint32 {
 // learns that an earlier attempt may have acted.
 func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error) {
 	if l := len(req.OperationID); l == 0 || l > 255 {
-		// A completed record stores its length in one byte.
+		// A record stores its length in one byte.
 		return Claim{}, fmt.Errorf("idempotency: operation ID of %d bytes, want 1..255", l)
 	}
-	rec, seq, leases := s.recordKeys(req.Key)
+	rec, bk := s.recordKey(req.Key)
 	watch := "0"
 	if req.Watch {
 		watch = "1"
 	}
-	cmd, unconfirmed := s.eval(ctx, s.claim, []string{rec, seq, leases},
-		[]any{req.Fingerprint[:], req.OperationID, req.Lease.Milliseconds(), req.Retention.Milliseconds(), watch},
-		func(cmd *redis.Cmd) bool {
-			v, _ := cmd.Slice()
+	args := append(s.claim.args("3", 8), rec, bk.seq, bk.leases, string(req.Fingerprint[:]), req.OperationID,
+		req.Lease.Milliseconds(), req.Retention.Milliseconds(), watch)
+	cmd, unconfirmed := s.eval(ctx, s.claim, args, func(cmd *redis.Cmd) bool {
+		switch v := cmd.Val().(type) {
+		case int64:
+			return true
+		case []any:
 			return len(v) > 0 && v[0] == "owner"
-		})
-	v, err := cmd.Slice()
-	if err != nil {
+		}
+		return false
+	})
+	if err := cmd.Err(); err != nil {
 		return Claim{}, unavailable("claim", err)
 	}
-	c, err := parseClaim(v)
+	c, err := parseClaim(cmd.Val(), req.OperationID)
 	if err != nil {
 		return Claim{}, unavailable("claim", err)
 	}
@@ -235,46 +291,42 @@ func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error)
 // giveUp ends an owner's claim that was not confirmed, before anything ran
 // (see Claim). Should it fail, the lease runs out instead.
 func (s *RedisStore) giveUp(ctx context.Context, k Key, c Claim) {
-	rec, _, leases := s.recordKeys(k)
-	token := strconv.FormatUint(c.Token, 10)
 	if c.Abandoned {
-		_ = s.beat.Run(ctx, s.c, []string{rec, leases}, token, 0).Err()
+		_ = s.Heartbeat(ctx, k, c.Token, 0)
 		return
 	}
-	forget := "0"
-	if c.Attempt == 1 {
-		forget = "1"
-	}
-	_ = s.release.Run(ctx, s.c, []string{rec, leases}, token, forget, s.publish).Err()
+	// Not Release: its wait for replicas would fail as the claim's did.
+	_ = s.release.run(ctx, s.c, s.releaseArgs(k, c.Token, c.Attempt == 1))
 }
 
-// eval runs sc on keys, which name one record. With RedisOptions.Replicas
-// set, it runs in one pipeline with WAIT on a client of the record's
-// master, since WAIT covers only the writes of its own connection, and
-// unconfirmed says why a change the reply reports, when durable (nil:
-// always) says it is one to keep, was not confirmed. The script's own
-// failure is in cmd.
-func (s *RedisStore) eval(ctx context.Context, sc *redis.Script, keys []string, args []any, durable func(*redis.Cmd) bool) (cmd *redis.Cmd, unconfirmed error) {
+// eval runs sc with args (made by sc.args), which name one record. With
+// RedisOptions.Replicas set, it runs in one pipeline with WAIT on a client
+// of the record's master, since WAIT covers only the writes of its own
+// connection, and unconfirmed says why a change the reply reports, when
+// durable (nil: always) says it is one to keep, was not confirmed. The
+// script's own failure is in cmd.
+func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable func(*redis.Cmd) bool) (cmd *redis.Cmd, unconfirmed error) {
 	if s.replicas == 0 {
-		return sc.Run(ctx, s.c, keys, args...), nil
+		return sc.run(ctx, s.c, args), nil
 	}
 	keep := func(cmd *redis.Cmd) bool { return cmd.Err() == nil && (durable == nil || durable(cmd)) }
-	node, err := s.master(ctx, keys[0])
+	node, err := s.master(ctx, args[3].(string))
 	if err != nil {
 		cmd = redis.NewCmd(ctx)
 		cmd.SetErr(err)
 		return cmd, nil
 	}
-	cmd, wait := s.evalAndWait(ctx, node, sc.EvalSha, keys, args)
+	cmd, wait := s.evalAndWait(ctx, node, args)
 	if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
-		cmd, wait = s.evalAndWait(ctx, node, sc.Eval, keys, args)
+		sc.bySource(args)
+		cmd, wait = s.evalAndWait(ctx, node, args)
 	}
 	var reply redis.Error
 	switch err := cmd.Err(); {
 	case isRedirect(err):
 		// The slot is moving, and nothing ran. The cluster client follows
 		// it, but a WAIT there would not cover the script's connection.
-		cmd = sc.Run(ctx, s.c, keys, args...)
+		cmd = sc.run(ctx, s.c, args)
 		if keep(cmd) {
 			return cmd, errors.New("replicas not asked: the record's slot is moving")
 		}
@@ -296,13 +348,13 @@ func (s *RedisStore) eval(ctx context.Context, sc *redis.Script, keys []string, 
 	return cmd, nil
 }
 
-// evalAndWait sends a script, by eval (EVALSHA or EVAL), and WAIT in one
+// evalAndWait sends a script, by args (EVALSHA or EVAL), and WAIT in one
 // pipeline, which go-redis writes on one connection. A WAIT after a script
 // that wrote nothing returns at once, unless replicas are missing or lag.
-func (s *RedisStore) evalAndWait(ctx context.Context, node *redis.Client,
-	eval func(context.Context, redis.Scripter, []string, ...any) *redis.Cmd, keys []string, args []any) (cmd, wait *redis.Cmd) {
+func (s *RedisStore) evalAndWait(ctx context.Context, node *redis.Client, args []any) (cmd, wait *redis.Cmd) {
 	_, _ = node.Pipelined(ctx, func(p redis.Pipeliner) error {
-		cmd = eval(ctx, p, keys, args...)
+		cmd = redis.NewCmd(ctx, args...)
+		_ = p.Process(ctx, cmd)
 		wait = p.Do(ctx, "WAIT", s.replicas, s.replicaTimeout.Milliseconds())
 		return nil
 	})
@@ -316,7 +368,18 @@ func isRedirect(err error) bool {
 	return errors.As(err, &reply) && (strings.HasPrefix(reply.Error(), "MOVED ") || strings.HasPrefix(reply.Error(), "ASK "))
 }
 
-func parseClaim(v []any) (Claim, error) {
+// parseClaim reads the claim script's reply to a claim by id.
+func parseClaim(reply any, id string) (Claim, error) {
+	var v []any
+	switch r := reply.(type) {
+	case int64:
+		// A new record: its maker's id is the operation ID.
+		return Claim{State: Owner, OperationID: id, Attempt: 1, Token: uint64(r)}, nil
+	case string:
+		return completedClaim(r)
+	case []any:
+		v = r
+	}
 	str := func(i int) string {
 		if i < len(v) {
 			if s, ok := v[i].(string); ok {
@@ -333,16 +396,24 @@ func parseClaim(v []any) (Claim, error) {
 			return Claim{}, err
 		}
 		return Claim{State: Owner, OperationID: str(1), Attempt: attempt, Token: token, Abandoned: str(4) == "1"}, nil
-	case "completed":
-		c := Claim{State: Completed, OperationID: str(1)}
-		return c, c.Response.UnmarshalBinary([]byte(str(2)))
 	case "inflight":
 		ms, err := strconv.ParseInt(str(1), 10, 64)
 		return Claim{State: InFlight, LeaseLeft: time.Duration(ms) * time.Millisecond}, err
 	case "mismatch":
 		return Claim{State: Mismatch}, nil
 	}
-	return Claim{}, fmt.Errorf("unexpected claim reply %q", v)
+	return Claim{}, fmt.Errorf("unexpected claim reply %q", reply)
+}
+
+// completedClaim reads a completed record (see lua/record.lua).
+func completedClaim(rec string) (Claim, error) {
+	const head = 1 + len(Fingerprint{}) + 1
+	if len(rec) < head || rec[0] != 'c' || len(rec) < head+int(rec[head-1]) {
+		return Claim{}, fmt.Errorf("unexpected claim reply %q", rec)
+	}
+	end := head + int(rec[head-1])
+	c := Claim{State: Completed, OperationID: strings.Clone(rec[head:end])}
+	return c, c.Response.decode(rec[end:])
 }
 
 // Complete implements Store. With RedisOptions.Replicas set, a completion
@@ -353,9 +424,9 @@ func (s *RedisStore) Complete(ctx context.Context, k Key, token uint64, resp Res
 	if err != nil {
 		return err
 	}
-	rec, _, leases := s.recordKeys(k)
-	cmd, unconfirmed := s.eval(ctx, s.complete, []string{rec, leases},
-		[]any{strconv.FormatUint(token, 10), body, retention.Milliseconds(), s.publish}, nil)
+	rec, bk := s.recordKey(k)
+	args := append(s.complete.args("2", 6), rec, bk.leases, strconv.FormatUint(token, 10), body, retention.Milliseconds(), s.publish)
+	cmd, unconfirmed := s.eval(ctx, s.complete, args, nil)
 	return settled("complete", cmd, unconfirmed)
 }
 
@@ -363,14 +434,17 @@ func (s *RedisStore) Complete(ctx context.Context, k Key, token uint64, resp Res
 // confirmed by as many replicas returns ErrUnavailable, though the master
 // keeps it.
 func (s *RedisStore) Release(ctx context.Context, k Key, token uint64, forget bool) error {
-	rec, _, leases := s.recordKeys(k)
+	cmd, unconfirmed := s.eval(ctx, s.release, s.releaseArgs(k, token, forget), nil)
+	return settled("release", cmd, unconfirmed)
+}
+
+func (s *RedisStore) releaseArgs(k Key, token uint64, forget bool) []any {
+	rec, bk := s.recordKey(k)
 	f := "0"
 	if forget {
 		f = "1"
 	}
-	cmd, unconfirmed := s.eval(ctx, s.release, []string{rec, leases},
-		[]any{strconv.FormatUint(token, 10), f, s.publish}, nil)
-	return settled("release", cmd, unconfirmed)
+	return append(s.release.args("2", 5), rec, bk.leases, strconv.FormatUint(token, 10), f, s.publish)
 }
 
 // settled is the outcome of a settling script run by eval.
@@ -386,14 +460,14 @@ func settled(op string, cmd *redis.Cmd, unconfirmed error) error {
 
 // Heartbeat implements Store.
 func (s *RedisStore) Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error {
-	rec, _, leases := s.recordKeys(k)
-	return fenced("heartbeat", s.beat.Run(ctx, s.c, []string{rec, leases},
-		strconv.FormatUint(token, 10), lease.Milliseconds()).Err())
+	rec, bk := s.recordKey(k)
+	args := append(s.beat.args("2", 4), rec, bk.leases, strconv.FormatUint(token, 10), lease.Milliseconds())
+	return fenced("heartbeat", s.beat.run(ctx, s.c, args).Err())
 }
 
 // Subscribe implements Store: the record's key is also its channel.
 func (s *RedisStore) Subscribe(ctx context.Context, k Key) (Subscription, error) {
-	rec, _, _ := s.recordKeys(k)
+	rec, _ := s.recordKey(k)
 	sub, err := s.waits.subscribe(ctx, rec)
 	if err != nil {
 		return nil, unavailable("subscribe", err)
@@ -407,12 +481,13 @@ func (s *RedisStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecor
 	if limit <= 0 {
 		return nil, nil
 	}
-	if err := s.sweep.Load(ctx, s.c).Err(); err != nil {
+	// A pipeline cannot fall back to EVAL command by command.
+	if err := s.c.ScriptLoad(ctx, s.sweep.src).Err(); err != nil {
 		return nil, unavailable("abandoned", err)
 	}
 	cmds, err := s.c.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for b := range uint32(buckets) {
-			s.sweep.EvalSha(ctx, p, []string{s.bucketTag(b) + "leases"}, limit)
+		for b := range s.buckets {
+			_ = p.Process(ctx, redis.NewCmd(ctx, append(s.sweep.args("1", 2), s.buckets[b].leases, limit)...))
 		}
 		return nil
 	})

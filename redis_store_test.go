@@ -42,14 +42,16 @@ func newRedisStore(t *testing.T, c redis.UniversalClient) *RedisStore {
 
 func TestRedisKeyLayout(t *testing.T) {
 	s := NewRedisStore(nil, RedisOptions{Prefix: "p:"})
-	rec, seq, _ := s.recordKeys(Key{Scope: "acct:1", Name: "k}{x"})
+	rec, bk := s.recordKey(Key{Scope: "acct:1", Name: "k}{x"})
 	tag := rec[:strings.IndexByte(rec, '}')+1]
 	assert.True(t, strings.HasPrefix(rec, "p:{"), rec)
-	assert.True(t, strings.HasPrefix(seq, tag), "record %q and sequence %q must share a hash tag", rec, seq)
+	for _, key := range []any{bk.seq, bk.leases} {
+		assert.True(t, strings.HasPrefix(key.(string), tag), "record %q and %q must share a hash tag", rec, key)
+	}
 
 	// A scope that ends like a name starts cannot pass for another pair.
-	a, _, _ := s.recordKeys(Key{Scope: "a:1", Name: "b"})
-	b, _, _ := s.recordKeys(Key{Scope: "a", Name: "1:b"})
+	a, _ := s.recordKey(Key{Scope: "a:1", Name: "b"})
+	b, _ := s.recordKey(Key{Scope: "a", Name: "1:b"})
 	assert.NotEqual(t, a, b)
 
 	assert.Panics(t, func() { NewRedisStore(nil, RedisOptions{Prefix: "x{"}) })
@@ -122,9 +124,16 @@ func TestRedisWakeUpIsPublished(t *testing.T) {
 // completion that follows has someone to publish to.
 func waitForWatcher(t *testing.T, c redis.UniversalClient, s *RedisStore, k Key) {
 	t.Helper()
-	rec, _, _ := s.recordKeys(k)
+	rec, _ := s.recordKey(k)
 	require.Eventually(t, func() bool {
-		return c.HExists(context.Background(), rec, "w").Val()
+		// In flight: "<deadline> <token> <attempt> <x><w> <by>" after the
+		// operation ID (see lua/record.lua).
+		v := c.Get(context.Background(), rec).Val()
+		if len(v) < 34 || v[0] != 'p' || len(v) < 34+int(v[33]) {
+			return false
+		}
+		f := strings.SplitN(v[34+int(v[33]):], " ", 5)
+		return len(f) == 5 && f[3] == f[3][:1]+"1"
 	}, 10*time.Second, time.Millisecond)
 }
 
@@ -189,7 +198,7 @@ func TestRedisWaiterSurvivesDroppedConnection(t *testing.T) {
 		got <- r
 	}()
 	waitForWatcher(t, c, s, k)
-	rec, _, _ := s.recordKeys(k)
+	rec, _ := s.recordKey(k)
 	subscribers := func() int64 { return c.PubSubNumSub(ctx, rec).Val()[rec] }
 	require.Equal(t, int64(1), subscribers())
 	require.NoError(t, c.ClientKillByFilter(ctx, "TYPE", "pubsub").Err())
@@ -219,7 +228,8 @@ func TestRedisLargeTokens(t *testing.T) {
 	redisBackends(t, func(t *testing.T, c *redis.Client) {
 		s := newRedisStore(t, c)
 		k := Key{Name: "big"}
-		_, seq, _ := s.recordKeys(k)
+		_, bk := s.recordKey(k)
+		seq := bk.seq.(string)
 		const start = 1_234_567_890_123_456
 		require.NoError(t, c.Set(context.Background(), seq, start, 0).Err())
 		claim, err := s.Claim(context.Background(), ClaimRequest{Key: k, OperationID: "op", Lease: time.Minute, Retention: time.Hour})
@@ -270,7 +280,7 @@ func TestRedisRoundTrips(t *testing.T) {
 		require.NoError(t, s.Complete(ctx, k, claim.Token, Response{Status: 200}, time.Hour))
 		<-done
 	})
-	delete(waited, "hexists") // the test's own polling
+	delete(waited, "get") // the test's own polling
 	// The waiter: claim, subscribe, watching claim, claim after the wake-up,
 	// unsubscribe as it leaves. The fourth script is the owner's completion.
 	assert.Equal(t, map[string]int{"evalsha": 4, "subscribe": 1, "unsubscribe": 1}, waited, "waited request")
@@ -384,7 +394,7 @@ func TestRedisCompletedRecordLayout(t *testing.T) {
 		require.NoError(t, err)
 		resp := Response{Status: 201, Header: map[string][]string{"A": {"1", "2"}}, Body: []byte("body\x00\xff")}
 		require.NoError(t, s.Complete(ctx, k, claim.Token, resp, time.Hour))
-		rec, _, _ := s.recordKeys(k)
+		rec, _ := s.recordKey(k)
 		assert.Equal(t, "string", c.Type(ctx, rec).Val())
 		ttl := c.PTTL(ctx, rec).Val()
 		assert.True(t, ttl > 59*time.Minute && ttl <= time.Hour, "retention %v", ttl)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 )
 
@@ -136,41 +137,100 @@ func appendString(b []byte, s string) []byte {
 
 var errCorrupt = errors.New("idempotency: corrupt stored response")
 
-// UnmarshalBinary decodes what MarshalBinary encoded.
+// UnmarshalBinary decodes what MarshalBinary encoded. The body shares b's
+// memory.
 func (r *Response) UnmarshalBinary(b []byte) error {
-	status, n := binary.Uvarint(b)
-	if n <= 0 || status > 999 {
-		return errCorrupt
+	status, fields, n, err := walkResponse(b, nil)
+	if err != nil {
+		return err
 	}
-	b = b[n:]
-	fields, n := binary.Uvarint(b)
-	if n <= 0 || fields > uint64(len(b)) {
-		return errCorrupt
-	}
-	b = b[n:]
-	r.Status = int(status)
-	r.Header = make(http.Header, fields)
-	for range fields {
-		var name, v string
-		var ok bool
-		if name, b, ok = cutString(b); !ok {
-			return errCorrupt
-		}
-		if v, b, ok = cutString(b); !ok {
-			return errCorrupt
-		}
-		r.Header[name] = append(r.Header[name], v)
-	}
-	r.Body = b
+	r.decodeHead(string(b[:n]), status, fields)
+	r.Body = b[n:]
 	return nil
 }
 
-func cutString(b []byte) (string, []byte, bool) {
-	l, n := binary.Uvarint(b)
-	if n <= 0 || l > uint64(len(b)-n) {
-		return "", nil, false
+// decode is UnmarshalBinary for an encoding held in a string; r keeps
+// none of s's memory.
+func (r *Response) decode(s string) error {
+	status, fields, n, err := walkResponse(s, nil)
+	if err != nil {
+		return err
 	}
-	return string(b[n : n+int(l)]), b[n+int(l):], true
+	// A copy, so that the header's strings, cut from it, do not keep a
+	// large body's memory alive.
+	r.decodeHead(strings.Clone(s[:n]), status, fields)
+	r.Body = []byte(s[n:])
+	return nil
+}
+
+// decodeHead sets r's status and header from head, an encoding without
+// its body that walkResponse found sound. Names and values are cut from
+// head and the values share one array, so that a replay allocates little.
+func (r *Response) decodeHead(head string, status, fields int) {
+	r.Status = status
+	r.Header = make(http.Header, fields)
+	values := make([]string, 0, fields)
+	_, _, _, _ = walkResponse(head, func(name, v string) {
+		if vs, ok := r.Header[name]; ok {
+			r.Header[name] = append(vs, v)
+			return
+		}
+		values = append(values, v)
+		r.Header[name] = values[len(values)-1 : len(values) : len(values)]
+	})
+}
+
+// walkResponse reads an encoding made by MarshalBinary up to its body,
+// calling field, unless nil, on each header field in order, and returns
+// the status, the number of fields and where the body starts.
+func walkResponse[T string | []byte](b T, field func(name, value T)) (status, fields, body int, err error) {
+	i := 0
+	next := func() (uint64, bool) {
+		v, n := uvarint(b[i:])
+		if n <= 0 {
+			return 0, false
+		}
+		i += n
+		return v, true
+	}
+	st, ok1 := next()
+	nf, ok2 := next()
+	if !ok1 || !ok2 || st > 999 || nf > uint64(len(b)) {
+		return 0, 0, 0, errCorrupt
+	}
+	for range nf {
+		var nv [2]T
+		for j := range nv {
+			l, ok := next()
+			if !ok || l > uint64(len(b)-i) {
+				return 0, 0, 0, errCorrupt
+			}
+			nv[j] = b[i : i+int(l)]
+			i += int(l)
+		}
+		if field != nil {
+			field(nv[0], nv[1])
+		}
+	}
+	return int(st), int(nf), i, nil
+}
+
+// uvarint is binary.Uvarint, for a string as well.
+func uvarint[T string | []byte](b T) (uint64, int) {
+	var x uint64
+	var shift uint
+	for i := 0; i < len(b) && i < binary.MaxVarintLen64; i++ {
+		c := b[i]
+		if c < 0x80 {
+			if i == binary.MaxVarintLen64-1 && c > 1 {
+				return 0, -(i + 1) // overflow
+			}
+			return x | uint64(c)<<shift, i + 1
+		}
+		x |= uint64(c&0x7f) << shift
+		shift += 7
+	}
+	return 0, 0
 }
 
 // unavailable wraps a store failure so that it matches ErrUnavailable.

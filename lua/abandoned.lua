@@ -4,21 +4,20 @@
 -- Returns record key, fingerprint, lease deadline, record key, ... oldest
 -- lease first.
 local leases = KEYS[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local t = now()
 local out = {}
-local due = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+local due = redis.call('ZRANGEBYSCORE', leases, '-inf', t, 'LIMIT', 0, tonumber(ARGV[1]))
 for _, rec in ipairs(due) do
-  local cur = redis.pcall('HMGET', rec, 's', 'l', 'f')
-  if cur.err then
-    -- A completed record (a string, see claim.lua): the entry is stale.
-    redis.call('ZREM', leases, rec)
-  elseif cur[1] == 'p' and tonumber(cur[2]) <= now then
-    out[#out + 1] = rec
-    out[#out + 1] = cur[3]
-    out[#out + 1] = cur[2]
-  elseif not cur[1] then
-    -- The record's retention ran out: the entry is stale.
+  local v = redis.call('GET', rec)
+  if v and string.byte(v) == 112 then
+    local _, deadline = decode(v)
+    if tonumber(deadline) <= t then
+      out[#out + 1] = rec
+      out[#out + 1] = string.sub(v, 2, 33)
+      out[#out + 1] = deadline
+    end
+  else
+    -- Completed, released or expired: the entry is stale.
     redis.call('ZREM', leases, rec)
   end
 end

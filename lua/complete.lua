@@ -3,15 +3,16 @@
 -- encoded response, retention ms, the publish command (PUBLISH, or SPUBLISH
 -- on a cluster).
 local rec = KEYS[1]
-local cur = redis.pcall('HMGET', rec, 's', 't', 'w', 'f', 'o')
-if cur.err or cur[1] ~= 'p' or cur[2] ~= ARGV[1] then
-  return redis.error_reply('FENCED not the current owner')
+local v = redis.call('GET', rec)
+local op, _, _, _, w = owned(v, ARGV[1])
+if not op then
+  return fenced()
 end
--- The completed record replaces the hash with one string (see claim.lua).
-redis.call('SET', rec, 'c' .. cur[4] .. string.char(#cur[5]) .. cur[5] .. ARGV[2], 'PX', ARGV[3])
+-- State, fingerprint and operation ID stay; the response follows them.
+redis.call('SET', rec, 'c' .. string.sub(v, 2, 34 + #op) .. ARGV[2], 'PX', ARGV[3])
 redis.call('ZREM', KEYS[2], rec)
 -- Only a registered waiter costs a publish: the happy path pays nothing.
-if cur[3] then
+if w == '1' then
   redis.call(ARGV[4], rec, 'c')
 end
 return 1
