@@ -29,6 +29,12 @@ func ClusterTests(t *testing.T, cl *testserver.Cluster) {
 		noLostWakeUp(t, newRedisStore(t, cl.Client()))
 	})
 	t.Run("ConcurrentDuplicates", func(t *testing.T) { clusterDuplicates(t, cl) })
+	t.Run("BatchedCalls", func(t *testing.T) {
+		cc := cl.Client()
+		batchedCalls(t, cc, func(ctx context.Context) error {
+			return cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return c.ScriptFlush(ctx).Err() })
+		})
+	})
 	t.Run("SlotMigration", func(t *testing.T) { clusterSlotMigration(t, cl) })
 	t.Run("ConfirmedClaimSurvivesFailover", func(t *testing.T) { clusterConfirmedClaim(t, cl) })
 	t.Run("UnconfirmedClaimLostInFailover", func(t *testing.T) { clusterUnconfirmedClaim(t, cl) })

@@ -118,6 +118,7 @@ type RedisStore struct {
 	beat     *script
 	sweep    *script
 	waits    *waiters
+	batch    *batcher
 	buckets  [buckets]bucketKeys
 
 	replicas       int
@@ -156,6 +157,7 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 		sweep:          newScript(abandonedLua),
 		replicas:       o.Replicas,
 		replicaTimeout: o.ReplicaTimeout,
+		batch:          &batcher{c: c},
 	}
 	for b := range s.buckets {
 		tag := s.bucketTag(uint32(b))
@@ -307,7 +309,7 @@ func (s *RedisStore) giveUp(ctx context.Context, k Key, c Claim) {
 // script's own failure is in cmd.
 func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable func(*redis.Cmd) bool) (cmd *redis.Cmd, unconfirmed error) {
 	if s.replicas == 0 {
-		return sc.run(ctx, s.c, args), nil
+		return s.batch.run(ctx, sc, args), nil
 	}
 	keep := func(cmd *redis.Cmd) bool { return cmd.Err() == nil && (durable == nil || durable(cmd)) }
 	node, err := s.master(ctx, args[3].(string))
@@ -462,7 +464,7 @@ func settled(op string, cmd *redis.Cmd, unconfirmed error) error {
 func (s *RedisStore) Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error {
 	rec, bk := s.recordKey(k)
 	args := append(s.beat.args("2", 4), rec, bk.leases, strconv.FormatUint(token, 10), lease.Milliseconds())
-	return fenced("heartbeat", s.beat.run(ctx, s.c, args).Err())
+	return fenced("heartbeat", s.batch.run(ctx, s.beat, args).Err())
 }
 
 // Subscribe implements Store: the record's key is also its channel.
