@@ -53,7 +53,7 @@ func (b *batcher) run(ctx context.Context, sc *script, args []any) *redis.Cmd {
 	if b.flying < maxFlying {
 		b.flying++
 		b.mu.Unlock()
-		b.send(ctx, c, []*batchCall{c})
+		b.send(ctx, c, nil)
 		return c.cmd
 	}
 	c.lead = make(chan []*batchCall, 1)
@@ -65,12 +65,13 @@ func (b *batcher) run(ctx context.Context, sc *script, args []any) *redis.Cmd {
 	return c.cmd
 }
 
-// send sends batch, which leader belongs to, then hands the calls queued
-// meanwhile to the first of them, or ends its turn in flight.
+// send sends batch, which leader belongs to (nil: leader alone), then hands
+// the calls queued meanwhile to the first of them, or ends its turn in
+// flight.
 func (b *batcher) send(ctx context.Context, leader *batchCall, batch []*batchCall) {
 	// Deferred: whatever happens here, no queued call is left waiting.
 	defer b.handOff(leader, batch)
-	if len(batch) == 1 {
+	if len(batch) <= 1 {
 		leader.cmd = leader.sc.run(ctx, b.c, leader.args)
 		return
 	}

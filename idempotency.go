@@ -597,5 +597,7 @@ var b32 = base32.StdEncoding.WithPadding(base32.NoPadding)
 func newOperationID() string {
 	var b [16]byte
 	_, _ = rand.Read(b[:]) // never fails: see crypto/rand.Read
-	return "op_" + b32.EncodeToString(b[:])
+	var id [3 + 26]byte    // "op_" and b in base32: one allocation, the string's
+	b32.Encode(id[copy(id[:], "op_"):], b[:])
+	return string(id[:])
 }

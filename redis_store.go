@@ -67,7 +67,8 @@ func (sc *script) run(ctx context.Context, c redis.UniversalClient, args []any) 
 // loaded returns cmd, the reply to args (made by sc.args), or when the
 // server lacked the script, the reply to sending it by source.
 func (sc *script) loaded(ctx context.Context, c redis.UniversalClient, args []any, cmd *redis.Cmd) *redis.Cmd {
-	if !redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+	// Err first: HasErrorPrefix allocates even for no error.
+	if err := cmd.Err(); err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
 		return cmd
 	}
 	sc.bySource(args)
