@@ -106,6 +106,12 @@ type RedisOptions struct {
 // shares a hash tag, so every script runs on one slot. A claim that finds a
 // completed record returns its response in the same round trip.
 //
+// Under load, the scripts of concurrent calls share round trips: while a
+// few are in flight, the calls that follow queue and go out together in one
+// pipeline (go-redis hooks see a pipeline), so a queued call waits for the
+// send ahead of it even if its context ends, at most the client's timeouts.
+// With RedisOptions.Replicas set, every script is sent alone with its WAIT.
+//
 // Waiters are woken by pub/sub: one connection per store on standalone
 // Redis, and on a cluster sharded pub/sub with one connection per master,
 // which follows a slot when it moves to another master.
