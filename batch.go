@@ -89,6 +89,7 @@ func (b *batcher) send(ctx context.Context, leader *batchCall, batch []*batchCal
 	}
 }
 
+// handOff ends send: see there.
 func (b *batcher) handOff(leader *batchCall, batch []*batchCall) {
 	b.mu.Lock()
 	next := b.queue[:min(len(b.queue), maxBatch)]
