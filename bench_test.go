@@ -87,30 +87,44 @@ func BenchmarkResponseUnmarshal(b *testing.B) {
 }
 
 // BenchmarkRedisClaim is Guard.Do replaying a completed record: one claim
-// script, one round trip.
+// script, one round trip; in parallel, many goroutines whose claims share
+// round trips (see batcher).
 func BenchmarkRedisClaim(b *testing.B) {
-	replay := func(b *testing.B, c redis.UniversalClient) {
+	replay := func(b *testing.B, c redis.UniversalClient, parallel bool) {
 		s := NewRedisStore(c, RedisOptions{})
 		b.Cleanup(func() { s.Close() })
 		g := New(s, Options{})
 		k, fp := Key{Name: "replayed"}, FingerprintOf("charge", benchBody())
 		fn := func(context.Context) (Response, error) { return benchResponse(), nil }
+		do := func() bool {
+			r, err := g.Do(context.Background(), k, fp, fn)
+			if err != nil || !r.Replayed {
+				b.Errorf("replay: %v, replayed %v", err, r.Replayed)
+				return false
+			}
+			return true
+		}
 		_, err := g.Do(context.Background(), k, fp, fn)
 		require.NoError(b, err)
 		b.ReportAllocs()
-		for b.Loop() {
-			r, err := g.Do(context.Background(), k, fp, fn)
-			if err != nil || !r.Replayed {
-				b.Fatalf("replay: %v, replayed %v", err, r.Replayed)
-			}
+		if parallel {
+			b.SetParallelism(25)
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() && do() {
+				}
+			})
+			return
+		}
+		for b.Loop() && do() {
 		}
 	}
 	b.Run("miniredis", func(b *testing.B) {
 		c := redis.NewClient(&redis.Options{Addr: miniredis.RunT(b).Addr()})
 		b.Cleanup(func() { c.Close() })
-		replay(b, c)
+		replay(b, c, false)
 	})
-	b.Run("redis-server", func(b *testing.B) { replay(b, testserver.StartRedis(b).Client()) })
+	b.Run("redis-server", func(b *testing.B) { replay(b, testserver.StartRedis(b).Client(), false) })
+	b.Run("redis-server-parallel", func(b *testing.B) { replay(b, testserver.StartRedis(b).Client(), true) })
 }
 
 // BenchmarkMiddlewareReplay is a replayed request through the middleware on
