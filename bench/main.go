@@ -75,7 +75,10 @@ func main() {
 		fmt.Fprintln(os.Stderr, "bench: -concurrency and -duration must be positive")
 		os.Exit(2)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// SIGPIPE too (go run ./bench | head): caught, it turns the next write
+	// into an error and ends the run, which stops the servers it started;
+	// uncaught, it would kill the process and leave them running.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGPIPE)
 	err = run(ctx, cfg, os.Stdout, os.Stderr)
 	stop()
 	if err != nil {
