@@ -204,7 +204,11 @@ type row struct {
 	runs    int64 // how many times the handler must have run
 }
 
-func TestMiddlewareContract(t *testing.T) {
+func TestMiddlewareContract(t *testing.T) { eachStore(t, middlewareContract) }
+
+// middlewareContract runs the contract's rows, each on a fresh store from
+// newStore.
+func middlewareContract(t *testing.T, newStore func(*testing.T) Store) {
 	longKey := strings.Repeat("k", MaxKeyLength)
 	rows := []row{
 		{
@@ -579,42 +583,40 @@ func TestMiddlewareContract(t *testing.T) {
 			runs: 1,
 		},
 	}
-	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
-		for _, row := range rows {
-			t.Run(row.name, func(t *testing.T) {
-				var s Store = newStore(t)
-				if row.fault != nil {
-					s = &faultStore{Store: s, hook: row.fault}
+	for _, row := range rows {
+		t.Run(row.name, func(t *testing.T) {
+			var s Store = newStore(t)
+			if row.fault != nil {
+				s = &faultStore{Store: s, hook: row.fault}
+			}
+			handle := row.handler
+			if handle == nil {
+				handle = echo
+			}
+			var runs atomic.Int64
+			h := New(s, Options{}).Middleware(row.opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				handle(w, r, runs.Add(1))
+			}))
+			outer := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if v := r.Header.Get("X-Set-Outer"); v != "" {
+					w.Header().Set("X-Outer", v)
+					w.Header().Set("X-Only-Outer", v)
 				}
-				handle := row.handler
-				if handle == nil {
-					handle = echo
-				}
-				var runs atomic.Int64
-				h := New(s, Options{}).Middleware(row.opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-					handle(w, r, runs.Add(1))
-				}))
-				outer := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-					if v := r.Header.Get("X-Set-Outer"); v != "" {
-						w.Header().Set("X-Outer", v)
-						w.Header().Set("X-Only-Outer", v)
-					}
-					h.ServeHTTP(w, r)
-				})
-				for i, c := range row.calls {
-					rr := httptest.NewRecorder()
-					outer.ServeHTTP(rr, c.request())
-					res := rr.Result()
-					body, err := io.ReadAll(res.Body)
-					require.NoError(t, err)
-					assert.Equal(t, c.status, res.StatusCode, "call %d", i)
-					assert.Equal(t, c.want, res.Header, "call %d", i)
-					assert.Equal(t, c.resp, string(body), "call %d", i)
-				}
-				assert.Equal(t, row.runs, runs.Load(), "handler runs")
+				h.ServeHTTP(w, r)
 			})
-		}
-	})
+			for i, c := range row.calls {
+				rr := httptest.NewRecorder()
+				outer.ServeHTTP(rr, c.request())
+				res := rr.Result()
+				body, err := io.ReadAll(res.Body)
+				require.NoError(t, err)
+				assert.Equal(t, c.status, res.StatusCode, "call %d", i)
+				assert.Equal(t, c.want, res.Header, "call %d", i)
+				assert.Equal(t, c.resp, string(body), "call %d", i)
+			}
+			assert.Equal(t, row.runs, runs.Load(), "handler runs")
+		})
+	}
 }
 
 func TestMiddlewareUnreadableBody(t *testing.T) {
@@ -654,73 +656,73 @@ func (iotestErrReader) Read([]byte) (int, error) { return 0, errInjected }
 
 // TestMiddlewareConcurrentDuplicates sends one key 100 times at once over
 // HTTP: the handler runs once, and all 100 get its response.
-func TestMiddlewareConcurrentDuplicates(t *testing.T) {
-	const n = 100
-	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
-		var waiting atomic.Int64
-		allWaiting := make(chan struct{})
-		s := &faultStore{Store: newStore(t), hook: func(op string) error {
-			if op == "subscribe" && waiting.Add(1) == n-1 {
-				close(allWaiting)
-			}
-			return nil
-		}}
-		var runs atomic.Int64
-		h := New(s, Options{}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			run := runs.Add(1)
-			// Hold the original until every duplicate waits for it, so
-			// that all of them take the waiting path.
-			select {
-			case <-allWaiting:
-			case <-time.After(10 * time.Second):
-			}
-			w.Header().Set("X-Operation", DownstreamKey(r.Context(), "test"))
-			w.WriteHeader(http.StatusCreated)
-			fmt.Fprintf(w, "run %d", run)
-		}))
-		srv := httptest.NewServer(h)
-		defer srv.Close()
+func TestMiddlewareConcurrentDuplicates(t *testing.T) { eachStore(t, middlewareConcurrentDuplicates) }
 
-		type answer struct {
-			status   int
-			body     string
-			op       string
-			replayed string
+func middlewareConcurrentDuplicates(t *testing.T, newStore func(*testing.T) Store) {
+	const n = 100
+	var waiting atomic.Int64
+	allWaiting := make(chan struct{})
+	s := &faultStore{Store: newStore(t), hook: func(op string) error {
+		if op == "subscribe" && waiting.Add(1) == n-1 {
+			close(allWaiting)
 		}
-		answers := make([]answer, n)
-		var wg sync.WaitGroup
-		for i := range n {
-			wg.Go(func() {
-				req, err := http.NewRequest(http.MethodPost, srv.URL+"/charges", strings.NewReader(`{"amount":100}`))
-				if !assert.NoError(t, err) {
-					return
-				}
-				req.Header.Set(HeaderKey, "same-key")
-				req.Header.Set("Content-Type", "application/json")
-				res, err := srv.Client().Do(req)
-				if !assert.NoError(t, err) {
-					return
-				}
-				defer res.Body.Close()
-				b, err := io.ReadAll(res.Body)
-				assert.NoError(t, err)
-				answers[i] = answer{res.StatusCode, string(b), res.Header.Get("X-Operation"), res.Header.Get(HeaderReplayed)}
-			})
+		return nil
+	}}
+	var runs atomic.Int64
+	h := New(s, Options{}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		run := runs.Add(1)
+		// Hold the original until every duplicate waits for it, so
+		// that all of them take the waiting path.
+		select {
+		case <-allWaiting:
+		case <-time.After(10 * time.Second):
 		}
-		wg.Wait()
-		assert.Equal(t, int64(1), runs.Load())
-		replays := 0
-		for _, a := range answers {
-			assert.Equal(t, 201, a.status)
-			assert.Equal(t, "run 1", a.body)
-			assert.Equal(t, answers[0].op, a.op)
-			assert.NotEmpty(t, a.op)
-			if a.replayed == "true" {
-				replays++
+		w.Header().Set("X-Operation", DownstreamKey(r.Context(), "test"))
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, "run %d", run)
+	}))
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+
+	type answer struct {
+		status   int
+		body     string
+		op       string
+		replayed string
+	}
+	answers := make([]answer, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			req, err := http.NewRequest(http.MethodPost, srv.URL+"/charges", strings.NewReader(`{"amount":100}`))
+			if !assert.NoError(t, err) {
+				return
 			}
+			req.Header.Set(HeaderKey, "same-key")
+			req.Header.Set("Content-Type", "application/json")
+			res, err := srv.Client().Do(req)
+			if !assert.NoError(t, err) {
+				return
+			}
+			defer res.Body.Close()
+			b, err := io.ReadAll(res.Body)
+			assert.NoError(t, err)
+			answers[i] = answer{res.StatusCode, string(b), res.Header.Get("X-Operation"), res.Header.Get(HeaderReplayed)}
+		})
+	}
+	wg.Wait()
+	assert.Equal(t, int64(1), runs.Load())
+	replays := 0
+	for _, a := range answers {
+		assert.Equal(t, 201, a.status)
+		assert.Equal(t, "run 1", a.body)
+		assert.Equal(t, answers[0].op, a.op)
+		assert.NotEmpty(t, a.op)
+		if a.replayed == "true" {
+			replays++
 		}
-		assert.Equal(t, n-1, replays)
-	})
+	}
+	assert.Equal(t, n-1, replays)
 }
 
 // blockingHandler runs until release is closed; entered receives once it
@@ -749,35 +751,35 @@ func keyed(key, body string) *http.Request {
 
 // TestMiddlewareWaitsForOriginal: a duplicate of a running request waits
 // for it and gets its response.
-func TestMiddlewareWaitsForOriginal(t *testing.T) {
-	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
-		subscribed := make(chan struct{}, 1)
-		s := &faultStore{Store: newStore(t), hook: func(op string) error {
-			if op == "subscribe" {
-				subscribed <- struct{}{}
-			}
-			return nil
-		}}
-		entered, release := make(chan struct{}, 2), make(chan struct{})
-		h := New(s, Options{}).Middleware(MiddlewareOptions{})(blockingHandler(entered, release))
+func TestMiddlewareWaitsForOriginal(t *testing.T) { eachStore(t, middlewareWaitsForOriginal) }
 
-		original := make(chan *httptest.ResponseRecorder)
-		go func() { original <- serve(h, keyed("k", "a")) }()
-		<-entered
-		duplicate := make(chan *httptest.ResponseRecorder)
-		go func() { duplicate <- serve(h, keyed("k", "a")) }()
-		<-subscribed
-		close(release)
+func middlewareWaitsForOriginal(t *testing.T, newStore func(*testing.T) Store) {
+	subscribed := make(chan struct{}, 1)
+	s := &faultStore{Store: newStore(t), hook: func(op string) error {
+		if op == "subscribe" {
+			subscribed <- struct{}{}
+		}
+		return nil
+	}}
+	entered, release := make(chan struct{}, 2), make(chan struct{})
+	h := New(s, Options{}).Middleware(MiddlewareOptions{})(blockingHandler(entered, release))
 
-		o, d := <-original, <-duplicate
-		assert.Equal(t, 201, o.Code)
-		assert.Equal(t, createdHeader, o.Header())
-		assert.Equal(t, "done", o.Body.String())
-		assert.Equal(t, 201, d.Code)
-		assert.Equal(t, replayHeader, d.Header())
-		assert.Equal(t, "done", d.Body.String())
-		assert.Empty(t, entered, "the duplicate ran the handler")
-	})
+	original := make(chan *httptest.ResponseRecorder)
+	go func() { original <- serve(h, keyed("k", "a")) }()
+	<-entered
+	duplicate := make(chan *httptest.ResponseRecorder)
+	go func() { duplicate <- serve(h, keyed("k", "a")) }()
+	<-subscribed
+	close(release)
+
+	o, d := <-original, <-duplicate
+	assert.Equal(t, 201, o.Code)
+	assert.Equal(t, createdHeader, o.Header())
+	assert.Equal(t, "done", o.Body.String())
+	assert.Equal(t, 201, d.Code)
+	assert.Equal(t, replayHeader, d.Header())
+	assert.Equal(t, "done", d.Body.String())
+	assert.Empty(t, entered, "the duplicate ran the handler")
 }
 
 // TestMiddlewareWaitTimeout: a duplicate that waits longer than

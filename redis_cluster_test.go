@@ -35,9 +35,26 @@ func ClusterTests(t *testing.T, cl *testserver.Cluster) {
 			return cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return c.ScriptFlush(ctx).Err() })
 		})
 	})
+	t.Run("Middleware", func(t *testing.T) { clusterMiddleware(t, cl) })
 	t.Run("SlotMigration", func(t *testing.T) { clusterSlotMigration(t, cl) })
 	t.Run("ConfirmedClaimSurvivesFailover", func(t *testing.T) { clusterConfirmedClaim(t, cl) })
 	t.Run("UnconfirmedClaimLostInFailover", func(t *testing.T) { clusterUnconfirmedClaim(t, cl) })
+}
+
+// clusterMiddleware runs the middleware's contract, concurrent duplicates
+// and waiting on the cluster. Each store is fresh and empty by its own key
+// prefix, the cluster being shared.
+func clusterMiddleware(t *testing.T, cl *testserver.Cluster) {
+	cc := cl.Client()
+	var stores atomic.Int64
+	fresh := func(t *testing.T) Store {
+		s := NewRedisStore(cc, RedisOptions{Prefix: fmt.Sprintf("mw%d:", stores.Add(1))})
+		t.Cleanup(func() { s.Close() })
+		return s
+	}
+	t.Run("Contract", func(t *testing.T) { middlewareContract(t, fresh) })
+	t.Run("ConcurrentDuplicates", func(t *testing.T) { middlewareConcurrentDuplicates(t, fresh) })
+	t.Run("WaitsForOriginal", func(t *testing.T) { middlewareWaitsForOriginal(t, fresh) })
 }
 
 // clusterDuplicates sends 100 concurrent duplicates of a key on every
