@@ -416,3 +416,37 @@ func TestRedisCompletedRecordLayout(t *testing.T) {
 		assert.Error(t, err, "an operation ID too long to store")
 	})
 }
+
+// Operation IDs are arbitrary bytes: spaces, digits, newlines and NULs
+// must not confuse the in-flight record's fields that follow them (see
+// lua/record.lua).
+func TestRedisRecordOddOperationIDs(t *testing.T) {
+	redisBackends(t, func(t *testing.T, c *redis.Client) {
+		s := newRedisStore(t, c)
+		ctx := context.Background()
+		k, fp := Key{Name: "odd"}, FingerprintOf("op", []byte("odd"))
+		maker, taker := "op 1 2 3 11 \n\x00 x", " 9 9 9 10 "
+		req := ClaimRequest{Key: k, Fingerprint: fp, OperationID: maker, Lease: time.Minute, Retention: time.Hour}
+		first, err := s.Claim(ctx, req)
+		require.NoError(t, err)
+		again, err := s.Claim(ctx, req)
+		require.NoError(t, err)
+		assert.Equal(t, first, again, "the maker's claim run again")
+
+		require.NoError(t, s.Heartbeat(ctx, k, first.Token, 0))
+		req.OperationID = taker
+		took, err := s.Claim(ctx, req)
+		require.NoError(t, err)
+		assert.Equal(t, Claim{State: Owner, OperationID: maker, Attempt: 2, Token: took.Token, Abandoned: true}, took)
+		assert.Greater(t, took.Token, first.Token)
+		again, err = s.Claim(ctx, req)
+		require.NoError(t, err)
+		assert.Equal(t, took, again, "the taker's claim run again")
+
+		resp := Response{Status: 201, Body: []byte("odd")}
+		require.NoError(t, s.Complete(ctx, k, took.Token, resp, time.Hour))
+		got, err := s.Claim(ctx, req)
+		require.NoError(t, err)
+		assert.Equal(t, Claim{State: Completed, OperationID: maker, Response: Response{Status: 201, Header: map[string][]string{}, Body: []byte("odd")}}, got)
+	})
+}
