@@ -9,8 +9,8 @@ import (
 )
 
 // batcher sends the scripts of concurrent operations to Redis together.
-// A call finding fewer than maxFlying sends in flight sends its own script
-// at once; a call arriving while they are all in flight queues, and when one
+// A call finding fewer than maxFlying sends in flight is sent at once, by
+// itself; a call arriving while they are all in flight queues, and when one
 // of them ends, every call queued meanwhile goes out in one pipeline, led by
 // the first of them. Under load most round trips then carry many scripts,
 // and the system calls a round trip costs, on the client and on the server,
@@ -21,7 +21,10 @@ import (
 // it whatever its context says: that send ends within the client's
 // timeouts, and a call must not leave a queue it may be asked to lead.
 type batcher struct {
-	c redis.UniversalClient
+	// send sends the calls of batch, one or more, and sets the replies of
+	// each; its context is the leader's, without cancellation when the
+	// batch holds other calls too.
+	send func(ctx context.Context, batch []*batchCall)
 
 	mu     sync.Mutex
 	queue  []*batchCall
@@ -38,58 +41,49 @@ const (
 	maxBatch = 128
 )
 
-// batchCall is one script waiting to be sent.
+// batchCall is one script to be sent, and its replies once sent.
 type batchCall struct {
 	sc   *script
 	args []any
-	cmd  *redis.Cmd        // the reply, set by whoever sent it
+	cmd  *redis.Cmd        // the script's reply
+	wait *redis.Cmd        // the reply of the WAIT sent after it, if any
 	lead chan []*batchCall // for a queued call: nil once sent, or a batch to lead
 }
 
-// run sends sc with args (made by sc.args) and returns its reply.
-func (b *batcher) run(ctx context.Context, sc *script, args []any) *redis.Cmd {
+// run sends sc with args (made by sc.args) and returns the call, sent.
+func (b *batcher) run(ctx context.Context, sc *script, args []any) *batchCall {
 	c := &batchCall{sc: sc, args: args}
 	b.mu.Lock()
 	if b.flying < maxFlying {
 		b.flying++
 		b.mu.Unlock()
-		b.send(ctx, c, nil)
-		return c.cmd
+		b.lead(ctx, c, nil)
+		return c
 	}
 	c.lead = make(chan []*batchCall, 1)
 	b.queue = append(b.queue, c)
 	b.mu.Unlock()
 	if batch := <-c.lead; batch != nil {
-		b.send(ctx, c, batch)
+		b.lead(ctx, c, batch)
 	}
-	return c.cmd
+	return c
 }
 
-// send sends batch, which leader belongs to (nil: leader alone), then hands
-// the calls queued meanwhile to the first of them, or ends its turn in
-// flight.
-func (b *batcher) send(ctx context.Context, leader *batchCall, batch []*batchCall) {
+// lead sends batch, which leader belongs to (nil: leader alone), then
+// hands the calls queued meanwhile to the first of them, or ends its turn
+// in flight.
+func (b *batcher) lead(ctx context.Context, leader *batchCall, batch []*batchCall) {
 	// Deferred: whatever happens here, no queued call is left waiting.
 	defer b.handOff(leader, batch)
 	if len(batch) <= 1 {
-		leader.cmd = leader.sc.run(ctx, b.c, leader.args)
+		b.send(ctx, []*batchCall{leader})
 		return
 	}
 	// The leader's context must not cut the other calls short.
-	ctx = context.WithoutCancel(ctx)
-	_, _ = b.c.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for _, c := range batch {
-			c.cmd = redis.NewCmd(ctx, c.args...)
-			_ = p.Process(ctx, c.cmd)
-		}
-		return nil
-	})
-	for _, c := range batch {
-		c.cmd = c.sc.loaded(ctx, b.c, c.args, c.cmd)
-	}
+	b.send(context.WithoutCancel(ctx), batch)
 }
 
-// handOff ends send: see there.
+// handOff ends lead: see there.
 func (b *batcher) handOff(leader *batchCall, batch []*batchCall) {
 	b.mu.Lock()
 	next := b.queue[:min(len(b.queue), maxBatch)]
@@ -108,6 +102,27 @@ func (b *batcher) handOff(leader *batchCall, batch []*batchCall) {
 				c.cmd.SetErr(errors.New("idempotency: the pipeline carrying this call failed"))
 			}
 			c.lead <- nil
+		}
+	}
+}
+
+// sendScripts sends batch on c: a call alone by itself, more in one
+// pipeline, each script by source when the server lacks it.
+func sendScripts(c redis.UniversalClient) func(context.Context, []*batchCall) {
+	return func(ctx context.Context, batch []*batchCall) {
+		if len(batch) == 1 {
+			batch[0].cmd = batch[0].sc.run(ctx, c, batch[0].args)
+			return
+		}
+		_, _ = c.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for _, bc := range batch {
+				bc.cmd = redis.NewCmd(ctx, bc.args...)
+				_ = p.Process(ctx, bc.cmd)
+			}
+			return nil
+		})
+		for _, bc := range batch {
+			bc.cmd = bc.sc.loaded(ctx, c, bc.args, bc.cmd)
 		}
 	}
 }

@@ -16,21 +16,29 @@ import (
 
 func TestRedisBatchedCalls(t *testing.T) {
 	redisBackends(t, func(t *testing.T, c *redis.Client) {
-		batchedCalls(t, c, func(ctx context.Context) error { return c.ScriptFlush(ctx).Err() })
+		batchedCalls(t, c, RedisOptions{}, func(ctx context.Context) error { return c.ScriptFlush(ctx).Err() })
 	})
 }
 
 // batchedCalls holds maxFlying sends at a gate while more operations queue
 // behind them, then opens it: the queue goes out as one pipeline, whose
 // scripts the server has just forgotten, and still every operation gets its
-// own reply, then every replay its own response.
-func batchedCalls(t *testing.T, c redis.UniversalClient, flush func(context.Context) error) {
+// own reply, then every replay its own response. With o.Replicas set, the
+// pipeline ends with one WAIT.
+func batchedCalls(t *testing.T, c redis.UniversalClient, o RedisOptions, flush func(context.Context) error) {
 	const n = 40
 	ctx := context.Background()
 	g := &sendGate{open: make(chan struct{}), flush: flush}
 	c.AddHook(g)
-	s := newRedisStore(t, c)
+	s := NewRedisStore(c, o)
+	t.Cleanup(func() { s.Close() })
 	guard := New(s, Options{})
+	batcher := s.batch
+	if o.Replicas > 0 {
+		node, err := s.master(ctx, "")
+		require.NoError(t, err)
+		batcher = s.waitedBatcher(node)
+	}
 	key := func(i int) (Key, Fingerprint) {
 		k := Key{Scope: "batch", Name: fmt.Sprint("k", i)}
 		return k, FingerprintOf("op", []byte(k.Name))
@@ -51,9 +59,9 @@ func batchedCalls(t *testing.T, c redis.UniversalClient, flush func(context.Cont
 		}
 		if !replay {
 			require.Eventually(t, func() bool {
-				s.batch.mu.Lock()
-				defer s.batch.mu.Unlock()
-				return g.held.Load() == maxFlying && len(s.batch.queue) == n-maxFlying
+				batcher.mu.Lock()
+				defer batcher.mu.Unlock()
+				return g.held.Load() == maxFlying && len(batcher.queue) == n-maxFlying
 			}, 10*time.Second, time.Millisecond, "sends held at the gate, the other calls queued")
 			close(g.open)
 		}
@@ -61,16 +69,19 @@ func batchedCalls(t *testing.T, c redis.UniversalClient, flush func(context.Cont
 	}
 	run(false)
 	assert.Equal(t, int64(n-maxFlying), g.first.Load(), "the queued claims went out in one pipeline")
+	assert.Equal(t, o.Replicas > 0, g.firstWaited.Load(), "the pipeline ends with WAIT")
 	run(true)
 }
 
-// sendGate holds every EVALSHA sent alone until open is closed, and runs
-// flush before the first pipeline of scripts.
+// sendGate holds every send of one script (by itself, or in a pipeline
+// with its WAIT) until open is closed, and runs flush before the first
+// pipeline of several scripts.
 type sendGate struct {
-	open  chan struct{}
-	held  atomic.Int64
-	flush func(context.Context) error
-	first atomic.Int64 // the first pipeline's length
+	open        chan struct{}
+	held        atomic.Int64
+	flush       func(context.Context) error
+	first       atomic.Int64 // the scripts in the first pipeline of several
+	firstWaited atomic.Bool  // that pipeline ended with WAIT
 }
 
 func (g *sendGate) DialHook(next redis.DialHook) redis.DialHook {
@@ -89,8 +100,20 @@ func (g *sendGate) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 
 func (g *sendGate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
-		// Not the pipelines go-redis sends of its own on a new connection.
-		if cmds[0].Name() == "evalsha" && g.first.CompareAndSwap(0, int64(len(cmds))) {
+		scripts := 0
+		for _, cmd := range cmds {
+			if cmd.Name() == "evalsha" {
+				scripts++
+			}
+		}
+		// Neither kind: the pipelines go-redis sends of its own on a new
+		// connection, or a script sent again by source.
+		switch {
+		case scripts == 1:
+			g.held.Add(1)
+			<-g.open
+		case scripts > 1 && g.first.CompareAndSwap(0, int64(scripts)):
+			g.firstWaited.Store(cmds[len(cmds)-1].Name() == "wait")
 			if err := g.flush(ctx); err != nil {
 				return err
 			}

@@ -31,7 +31,7 @@ func ClusterTests(t *testing.T, cl *testserver.Cluster) {
 	t.Run("ConcurrentDuplicates", func(t *testing.T) { clusterDuplicates(t, cl) })
 	t.Run("BatchedCalls", func(t *testing.T) {
 		cc := cl.Client()
-		batchedCalls(t, cc, func(ctx context.Context) error {
+		batchedCalls(t, cc, RedisOptions{}, func(ctx context.Context) error {
 			return cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return c.ScriptFlush(ctx).Err() })
 		})
 	})

@@ -67,6 +67,12 @@ func TestRedisReplicas(t *testing.T) {
 		assert.Equal(t, int32(2), runs.Load())
 	})
 
+	t.Run("Batched", func(t *testing.T) {
+		c := primary.Client()
+		batchedCalls(t, c, RedisOptions{Replicas: 1, ReplicaTimeout: 500 * time.Millisecond},
+			func(ctx context.Context) error { return c.ScriptFlush(ctx).Err() })
+	})
+
 	// A claim the frozen replica cannot confirm fails closed, and gives the
 	// record up as it found it: nothing ran, so a created record is
 	// deleted and a released one released again; an abandoned one stays

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -110,7 +111,8 @@ type RedisOptions struct {
 // few are in flight, the calls that follow queue and go out together in one
 // pipeline (go-redis hooks see a pipeline), so a queued call waits for the
 // send ahead of it even if its context ends, at most the client's timeouts.
-// With RedisOptions.Replicas set, every script is sent alone with its WAIT.
+// With RedisOptions.Replicas set, the scripts sent together to a master
+// share the one WAIT that follows them.
 //
 // Waiters are woken by pub/sub: one connection per store on standalone
 // Redis, and on a cluster sharded pub/sub with one connection per master,
@@ -126,6 +128,7 @@ type RedisStore struct {
 	sweep    *script
 	waits    *waiters
 	batch    *batcher
+	waited   sync.Map // *redis.Client, a master -> *batcher, with Replicas set
 	buckets  [buckets]bucketKeys
 
 	replicas       int
@@ -164,7 +167,7 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 		sweep:          newScript(abandonedLua),
 		replicas:       o.Replicas,
 		replicaTimeout: o.ReplicaTimeout,
-		batch:          &batcher{c: c},
+		batch:          &batcher{send: sendScripts(c)},
 	}
 	for b := range s.buckets {
 		tag := s.bucketTag(uint32(b))
@@ -308,15 +311,15 @@ func (s *RedisStore) giveUp(ctx context.Context, k Key, c Claim) {
 	_ = s.release.run(ctx, s.c, s.releaseArgs(k, c.Token, c.Attempt == 1))
 }
 
-// eval runs sc with args (made by sc.args), which name one record. With
-// RedisOptions.Replicas set, it runs in one pipeline with WAIT on a client
-// of the record's master, since WAIT covers only the writes of its own
-// connection, and unconfirmed says why a change the reply reports, when
-// durable (nil: always) says it is one to keep, was not confirmed. The
-// script's own failure is in cmd.
+// eval runs sc with args (made by sc.args), which name one record, through
+// a batcher. With RedisOptions.Replicas set, it runs in a pipeline ending
+// with WAIT on a client of the record's master, since WAIT covers only the
+// writes of its own connection, and unconfirmed says why a change the reply
+// reports, when durable (nil: always) says it is one to keep, was not
+// confirmed. The script's own failure is in cmd.
 func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable func(*redis.Cmd) bool) (cmd *redis.Cmd, unconfirmed error) {
 	if s.replicas == 0 {
-		return s.batch.run(ctx, sc, args), nil
+		return s.batch.run(ctx, sc, args).cmd, nil
 	}
 	keep := func(cmd *redis.Cmd) bool { return cmd.Err() == nil && (durable == nil || durable(cmd)) }
 	node, err := s.master(ctx, args[3].(string))
@@ -325,11 +328,13 @@ func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable f
 		cmd.SetErr(err)
 		return cmd, nil
 	}
-	cmd, wait := s.evalAndWait(ctx, node, args)
-	if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+	bc := s.waitedBatcher(node).run(ctx, sc, args)
+	if redis.HasErrorPrefix(bc.cmd.Err(), "NOSCRIPT") {
 		sc.bySource(args)
-		cmd, wait = s.evalAndWait(ctx, node, args)
+		bc = &batchCall{sc: sc, args: args}
+		s.sendWaited(node)(ctx, []*batchCall{bc})
 	}
+	cmd, wait := bc.cmd, bc.wait
 	var reply redis.Error
 	switch err := cmd.Err(); {
 	case isRedirect(err):
@@ -357,17 +362,36 @@ func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable f
 	return cmd, nil
 }
 
-// evalAndWait sends a script, by args (EVALSHA or EVAL), and WAIT in one
-// pipeline, which go-redis writes on one connection. A WAIT after a script
-// that wrote nothing returns at once, unless replicas are missing or lag.
-func (s *RedisStore) evalAndWait(ctx context.Context, node *redis.Client, args []any) (cmd, wait *redis.Cmd) {
-	_, _ = node.Pipelined(ctx, func(p redis.Pipeliner) error {
-		cmd = redis.NewCmd(ctx, args...)
-		_ = p.Process(ctx, cmd)
-		wait = p.Do(ctx, "WAIT", s.replicas, s.replicaTimeout.Milliseconds())
-		return nil
-	})
-	return cmd, wait
+// waitedBatcher returns the batcher that sends scripts with WAIT on node,
+// a master: one per master, since WAIT covers only the writes of its own
+// connection.
+func (s *RedisStore) waitedBatcher(node *redis.Client) *batcher {
+	if b, ok := s.waited.Load(node); ok {
+		return b.(*batcher)
+	}
+	b, _ := s.waited.LoadOrStore(node, &batcher{send: s.sendWaited(node)})
+	return b.(*batcher)
+}
+
+// sendWaited sends batches on node, a master, each in one pipeline with one
+// WAIT after its scripts, which go-redis writes on one connection: WAIT
+// covers every write made before it on its connection, so one confirms
+// them all. A WAIT after scripts that wrote nothing returns at once, unless
+// replicas are missing or lag.
+func (s *RedisStore) sendWaited(node *redis.Client) func(context.Context, []*batchCall) {
+	return func(ctx context.Context, batch []*batchCall) {
+		_, _ = node.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for _, bc := range batch {
+				bc.cmd = redis.NewCmd(ctx, bc.args...)
+				_ = p.Process(ctx, bc.cmd)
+			}
+			wait := p.Do(ctx, "WAIT", s.replicas, s.replicaTimeout.Milliseconds())
+			for _, bc := range batch {
+				bc.wait = wait
+			}
+			return nil
+		})
+	}
 }
 
 // isRedirect reports a cluster's MOVED or ASK reply: the command did not
@@ -471,7 +495,7 @@ func settled(op string, cmd *redis.Cmd, unconfirmed error) error {
 func (s *RedisStore) Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error {
 	rec, bk := s.recordKey(k)
 	args := append(s.beat.args("2", 4), rec, bk.leases, strconv.FormatUint(token, 10), lease.Milliseconds())
-	return fenced("heartbeat", s.batch.run(ctx, s.beat, args).Err())
+	return fenced("heartbeat", s.batch.run(ctx, s.beat, args).cmd.Err())
 }
 
 // Subscribe implements Store: the record's key is also its channel.

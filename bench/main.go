@@ -52,6 +52,7 @@ type config struct {
 	json        bool
 	rows        *regexp.Regexp
 	cpuprofile  string
+	replicas    int
 }
 
 func main() {
@@ -65,6 +66,7 @@ func main() {
 	flag.BoolVar(&cfg.json, "json", false, "print one JSON object per row on stdout; the rest goes to stderr")
 	flag.StringVar(&rows, "rows", "", "run only the rows whose name matches this `regexp`")
 	flag.StringVar(&cfg.cpuprofile, "cpuprofile", "", "write a CPU profile of the rows to `file`")
+	flag.IntVar(&cfg.replicas, "replicas", 0, "RedisOptions.Replicas for the library's Redis rows: the `N` replicas of -redis or -cluster that confirm its writes")
 	flag.Parse()
 	var err error
 	if cfg.rows, err = regexp.Compile(rows); err != nil {
@@ -73,6 +75,10 @@ func main() {
 	}
 	if cfg.concurrency < 1 || cfg.duration <= 0 {
 		fmt.Fprintln(os.Stderr, "bench: -concurrency and -duration must be positive")
+		os.Exit(2)
+	}
+	if cfg.replicas < 0 || cfg.replicas > 0 && cfg.redisAddr == "" && cfg.cluster == "" {
+		fmt.Fprintln(os.Stderr, "bench: -replicas needs -redis or -cluster, with that many replicas per master")
 		os.Exit(2)
 	}
 	// SIGPIPE too (go run ./bench | head): caught, it turns the next write
@@ -128,7 +134,7 @@ func setup(ctx context.Context, cfg config, log io.Writer) (e *env, err error) {
 	}
 	e.setupPostgres(ctx, cfg)
 
-	rs := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{})
+	rs := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{Replicas: cfg.replicas})
 	e.closers = append(e.closers, rs.Close)
 	e.redisGuard = idempotency.New(rs, idempotency.Options{})
 	// Every new operation of the run must fit: a full memory store refuses.
@@ -525,6 +531,9 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 	fmt.Fprintln(w, "\nMachine:")
 	fmt.Fprintf(w, "  %s/%s, %d CPUs (GOMAXPROCS %d), %s\n", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.Version())
 	fmt.Fprintf(w, "  Redis %s, %d connections in the pool\n", e.redisVersion, cfg.concurrency)
+	if cfg.replicas > 0 {
+		fmt.Fprintf(w, "  the library's writes confirmed by %d replicas (RedisOptions.Replicas)\n", cfg.replicas)
+	}
 	if e.pgVersion != "" {
 		fmt.Fprintf(w, "  PostgreSQL %s, %d connections in the pool\n", e.pgVersion, cfg.concurrency)
 	} else {
