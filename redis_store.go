@@ -110,7 +110,8 @@ type RedisOptions struct {
 // Under load, the scripts of concurrent calls share round trips: while a
 // few are in flight, the calls that follow queue and go out together in one
 // pipeline (go-redis hooks see a pipeline), so a queued call waits for the
-// send ahead of it even if its context ends, at most the client's timeouts.
+// send ahead of it even if its context ends, for at most the client's
+// timeouts.
 // With RedisOptions.Replicas set, the scripts sent together to a master
 // share the one WAIT that follows them.
 //
@@ -120,7 +121,7 @@ type RedisOptions struct {
 type RedisStore struct {
 	c        redis.UniversalClient
 	prefix   string
-	publish  any // the command that wakes waiters, run by the scripts
+	publish  any // the command that wakes waiters, run by the scripts; boxed once
 	claim    *script
 	complete *script
 	release  *script
