@@ -48,6 +48,7 @@ type batchCall struct {
 	cmd  *redis.Cmd        // the script's reply
 	wait *redis.Cmd        // the reply of the WAIT sent after it, if any
 	lead chan []*batchCall // for a queued call: nil once sent, or a batch to lead
+	self [1]*batchCall     // the call as a batch of one, without allocating one
 }
 
 // run sends sc with args (made by sc.args) and returns the call, sent.
@@ -76,7 +77,8 @@ func (b *batcher) lead(ctx context.Context, leader *batchCall, batch []*batchCal
 	// Deferred: whatever happens here, no queued call is left waiting.
 	defer b.handOff(leader, batch)
 	if len(batch) <= 1 {
-		b.send(ctx, []*batchCall{leader})
+		leader.self[0] = leader
+		b.send(ctx, leader.self[:])
 		return
 	}
 	// The leader's context must not cut the other calls short.
