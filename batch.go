@@ -117,14 +117,20 @@ func sendScripts(c redis.UniversalClient) func(context.Context, []*batchCall) {
 			return
 		}
 		_, _ = c.Pipelined(ctx, func(p redis.Pipeliner) error {
-			for _, bc := range batch {
-				bc.cmd = redis.NewCmd(ctx, bc.args...)
-				_ = p.Process(ctx, bc.cmd)
-			}
+			queueScripts(ctx, p, batch)
 			return nil
 		})
 		for _, bc := range batch {
 			bc.cmd = bc.sc.loaded(ctx, c, bc.args, bc.cmd)
 		}
+	}
+}
+
+// queueScripts queues the scripts of batch on p, each call with its own
+// command.
+func queueScripts(ctx context.Context, p redis.Pipeliner, batch []*batchCall) {
+	for _, bc := range batch {
+		bc.cmd = redis.NewCmd(ctx, bc.args...)
+		_ = p.Process(ctx, bc.cmd)
 	}
 }

@@ -68,14 +68,19 @@ func (sc *script) run(ctx context.Context, c redis.UniversalClient, args []any) 
 // loaded returns cmd, the reply to args (made by sc.args), or when the
 // server lacked the script, the reply to sending it by source.
 func (sc *script) loaded(ctx context.Context, c redis.UniversalClient, args []any, cmd *redis.Cmd) *redis.Cmd {
-	// Err first: HasErrorPrefix allocates even for no error.
-	if err := cmd.Err(); err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
+	if !noScript(cmd.Err()) {
 		return cmd
 	}
 	sc.bySource(args)
 	cmd = redis.NewCmd(ctx, args...)
 	_ = c.Process(ctx, cmd)
 	return cmd
+}
+
+// noScript reports the server's answer to an EVALSHA of a script it lacks.
+func noScript(err error) bool {
+	// err first: HasErrorPrefix allocates even for no error.
+	return err != nil && redis.HasErrorPrefix(err, "NOSCRIPT")
 }
 
 // RedisOptions configures a RedisStore. The zero value of every field is its
@@ -330,7 +335,7 @@ func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable f
 		return cmd, nil
 	}
 	bc := s.waitedBatcher(node).run(ctx, sc, args)
-	if redis.HasErrorPrefix(bc.cmd.Err(), "NOSCRIPT") {
+	if noScript(bc.cmd.Err()) {
 		sc.bySource(args)
 		bc = &batchCall{sc: sc, args: args}
 		s.sendWaited(node)(ctx, []*batchCall{bc})
@@ -382,10 +387,7 @@ func (s *RedisStore) waitedBatcher(node *redis.Client) *batcher {
 func (s *RedisStore) sendWaited(node *redis.Client) func(context.Context, []*batchCall) {
 	return func(ctx context.Context, batch []*batchCall) {
 		_, _ = node.Pipelined(ctx, func(p redis.Pipeliner) error {
-			for _, bc := range batch {
-				bc.cmd = redis.NewCmd(ctx, bc.args...)
-				_ = p.Process(ctx, bc.cmd)
-			}
+			queueScripts(ctx, p, batch)
 			wait := p.Do(ctx, "WAIT", s.replicas, s.replicaTimeout.Milliseconds())
 			for _, bc := range batch {
 				bc.wait = wait
@@ -446,8 +448,17 @@ func completedClaim(rec string) (Claim, error) {
 		return Claim{}, fmt.Errorf("unexpected claim reply %q", rec)
 	}
 	end := head + int(rec[head-1])
-	c := Claim{State: Completed, OperationID: strings.Clone(rec[head:end])}
-	return c, c.Response.decode(rec[end:])
+	status, fields, n, err := walkResponse(rec[end:], nil)
+	if err != nil {
+		return Claim{}, err
+	}
+	// One copy holds the operation ID and the response's head, whose
+	// strings are cut from it; not the body, which it would keep alive.
+	kept := strings.Clone(rec[head : end+n])
+	c := Claim{State: Completed, OperationID: kept[:end-head]}
+	c.Response.decodeHead(kept[end-head:], status, fields)
+	c.Response.Body = []byte(rec[end+n:])
+	return c, nil
 }
 
 // Complete implements Store. With RedisOptions.Replicas set, a completion

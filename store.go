@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"strings"
 	"time"
 )
 
@@ -146,20 +145,6 @@ func (r *Response) UnmarshalBinary(b []byte) error {
 	}
 	r.decodeHead(string(b[:n]), status, fields)
 	r.Body = b[n:]
-	return nil
-}
-
-// decode is UnmarshalBinary for an encoding held in a string; r keeps
-// none of s's memory.
-func (r *Response) decode(s string) error {
-	status, fields, n, err := walkResponse(s, nil)
-	if err != nil {
-		return err
-	}
-	// A copy, so that the header's strings, cut from it, do not keep a
-	// large body's memory alive.
-	r.decodeHead(strings.Clone(s[:n]), status, fields)
-	r.Body = []byte(s[n:])
 	return nil
 }
 

@@ -3,9 +3,8 @@
 -- encoded response, retention ms, the publish command (PUBLISH, or SPUBLISH
 -- on a cluster).
 local rec = KEYS[1]
-local v = redis.call('GET', rec)
-local op, _, _, _, w = owned(v, ARGV[1])
-if not op then
+local v, op, _, _, _, w = owned(rec, ARGV[1])
+if not v then
   return fenced()
 end
 -- State, fingerprint and operation ID stay; the response follows them.

@@ -2,9 +2,8 @@
 -- KEYS[1] the record, KEYS[2] its slot's in-flight index. ARGV: token,
 -- lease ms (0 gives the record up: it stays in flight, abandoned).
 local rec = KEYS[1]
-local v = redis.call('GET', rec)
-local op, _, attempt, x, w, by = owned(v, ARGV[1])
-if not op then
+local v, op, _, attempt, x, w, by = owned(rec, ARGV[1])
+if not v then
   return fenced()
 end
 local deadline = string.format('%d', now() + tonumber(ARGV[2]))

@@ -24,13 +24,14 @@ local function encode(state, fp, op, deadline, token, attempt, x, w, by)
   return state .. fp .. string.char(#op) .. op .. deadline .. ' ' .. token .. ' ' .. attempt .. ' ' .. x .. w .. ' ' .. by
 end
 
--- owned decodes v when it is in flight under token, and returns nothing
--- otherwise.
-local function owned(v, token)
+-- owned reads the record at rec and returns it, decoded, when it is in
+-- flight under token, and nothing otherwise.
+local function owned(rec, token)
+  local v = redis.call('GET', rec)
   if v and string.byte(v) == 112 then
     local op, deadline, tok, attempt, x, w, by = decode(v)
     if tok == token then
-      return op, deadline, attempt, x, w, by
+      return v, op, deadline, attempt, x, w, by
     end
   end
 end

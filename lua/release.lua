@@ -2,9 +2,8 @@
 -- KEYS[1] the record, KEYS[2] its slot's in-flight index. ARGV: token,
 -- forget ("1": delete the record), the publish command.
 local rec = KEYS[1]
-local v = redis.call('GET', rec)
-local op, _, attempt, _, w = owned(v, ARGV[1])
-if not op then
+local v, op, _, attempt, _, w = owned(rec, ARGV[1])
+if not v then
   return fenced()
 end
 redis.call('ZREM', KEYS[2], rec)
