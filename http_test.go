@@ -48,51 +48,51 @@ func eachStore(t *testing.T, test func(t *testing.T, newStore func(*testing.T) S
 	}
 }
 
-// faultStore passes every operation to hook first; an error from hook is
-// returned instead of running the operation.
+// faultStore runs hook before each call to Store, with the call's context;
+// an error from it is the call's.
 type faultStore struct {
 	Store
-	hook func(op string) error
+	hook func(ctx context.Context, op string) error
 }
 
 func (f *faultStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error) {
-	if err := f.hook("claim"); err != nil {
+	if err := f.hook(ctx, "claim"); err != nil {
 		return Claim{}, err
 	}
 	return f.Store.Claim(ctx, req)
 }
 
 func (f *faultStore) Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
-	if err := f.hook("complete"); err != nil {
+	if err := f.hook(ctx, "complete"); err != nil {
 		return err
 	}
 	return f.Store.Complete(ctx, k, token, resp, retention)
 }
 
 func (f *faultStore) Release(ctx context.Context, k Key, token uint64, forget bool) error {
-	if err := f.hook("release"); err != nil {
+	if err := f.hook(ctx, "release"); err != nil {
 		return err
 	}
 	return f.Store.Release(ctx, k, token, forget)
 }
 
 func (f *faultStore) Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error {
-	if err := f.hook("heartbeat"); err != nil {
+	if err := f.hook(ctx, "heartbeat"); err != nil {
 		return err
 	}
 	return f.Store.Heartbeat(ctx, k, token, lease)
 }
 
 func (f *faultStore) Subscribe(ctx context.Context, k Key) (Subscription, error) {
-	if err := f.hook("subscribe"); err != nil {
+	if err := f.hook(ctx, "subscribe"); err != nil {
 		return nil, err
 	}
 	return f.Store.Subscribe(ctx, k)
 }
 
 // failOn returns a hook that fails the named operations with err.
-func failOn(err error, ops ...string) func(string) error {
-	return func(op string) error {
+func failOn(err error, ops ...string) func(context.Context, string) error {
+	return func(_ context.Context, op string) error {
 		for _, o := range ops {
 			if o == op {
 				return err
@@ -198,7 +198,7 @@ func (c call) request() *http.Request {
 type row struct {
 	name    string
 	opts    MiddlewareOptions
-	fault   func(op string) error
+	fault   func(ctx context.Context, op string) error
 	handler func(w http.ResponseWriter, r *http.Request, run int64) // default echo
 	calls   []call
 	runs    int64 // how many times the handler must have run
@@ -662,7 +662,7 @@ func middlewareConcurrentDuplicates(t *testing.T, newStore func(*testing.T) Stor
 	const n = 100
 	var waiting atomic.Int64
 	allWaiting := make(chan struct{})
-	s := &faultStore{Store: newStore(t), hook: func(op string) error {
+	s := &faultStore{Store: newStore(t), hook: func(_ context.Context, op string) error {
 		if op == "subscribe" && waiting.Add(1) == n-1 {
 			close(allWaiting)
 		}
@@ -755,7 +755,7 @@ func TestMiddlewareWaitsForOriginal(t *testing.T) { eachStore(t, middlewareWaits
 
 func middlewareWaitsForOriginal(t *testing.T, newStore func(*testing.T) Store) {
 	subscribed := make(chan struct{}, 1)
-	s := &faultStore{Store: newStore(t), hook: func(op string) error {
+	s := &faultStore{Store: newStore(t), hook: func(_ context.Context, op string) error {
 		if op == "subscribe" {
 			subscribed <- struct{}{}
 		}
@@ -868,12 +868,12 @@ func (w journalWriter) Flush() {
 	w.ResponseRecorder.Flush()
 }
 
-func journaled(t *testing.T, s Store, j *journal, fail func(op string) error) Store {
-	return &faultStore{Store: s, hook: func(op string) error {
+func journaled(t *testing.T, s Store, j *journal, fail func(ctx context.Context, op string) error) Store {
+	return &faultStore{Store: s, hook: func(ctx context.Context, op string) error {
 		if op == "heartbeat" {
 			return nil
 		}
-		err := fail(op)
+		err := fail(ctx, op)
 		j.add("store: %s %v", op, err)
 		return err
 	}}
@@ -1163,7 +1163,7 @@ func TestDefaultDisposition(t *testing.T) {
 func TestMiddlewareFailOpenNotForGoneClient(t *testing.T) {
 	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
 		ctx, cancel := context.WithCancel(context.Background())
-		s := &faultStore{Store: newStore(t), hook: func(string) error {
+		s := &faultStore{Store: newStore(t), hook: func(context.Context, string) error {
 			cancel()
 			return unavailable("claim", ctx.Err())
 		}}

@@ -226,32 +226,38 @@ func (g *Guard) Do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx conte
 	if err := k.Validate(); err != nil {
 		return Result{}, err
 	}
-	c, err := g.claim(ctx, k, fp)
+	c, sent, err := g.claim(ctx, k, fp)
 	if err != nil {
 		return Result{}, err
 	}
 	if c.State == Completed {
 		return Result{Response: c.Response, Replayed: true, OperationID: c.OperationID}, nil
 	}
-	return g.run(ctx, k, c, fn)
+	o, err := g.own(ctx, k, c, sent)
+	if err != nil {
+		return Result{}, err
+	}
+	return o.run(fn)
 }
 
 // claim claims k, waiting while another owner holds it, until the caller owns
-// the record or there is a final answer.
-func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error) {
+// the record or there is a final answer. sent is when the claim that gave
+// that answer was handed to the store: an owner's lease is counted from it.
+func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (c Claim, sent time.Time, err error) {
 	req := ClaimRequest{Key: k, Fingerprint: fp, OperationID: newOperationID(), Lease: g.opts.Lease, Retention: g.opts.Retention}
-	c, err := g.store.Claim(ctx, req)
+	sent = time.Now()
+	c, err = g.store.Claim(ctx, req)
 	if err != nil || c.State != InFlight {
-		return c, claimErr(c, err)
+		return c, sent, claimErr(c, err)
 	}
 	if g.opts.WaitTimeout < 0 {
-		return c, ErrInFlight
+		return c, sent, ErrInFlight
 	}
 	select {
 	case g.waiters <- struct{}{}:
 		defer func() { <-g.waiters }()
 	default:
-		return c, fmt.Errorf("%w: %d requests already waiting", ErrInFlight, cap(g.waiters))
+		return c, sent, fmt.Errorf("%w: %d requests already waiting", ErrInFlight, cap(g.waiters))
 	}
 	wctx, cancel := context.WithTimeout(ctx, g.opts.WaitTimeout)
 	defer cancel()
@@ -260,9 +266,9 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error)
 	wake, err := g.store.Subscribe(wctx, k)
 	if err != nil {
 		if wctx.Err() != nil && ctx.Err() == nil {
-			return c, ErrInFlight
+			return c, sent, ErrInFlight
 		}
-		return c, errors.Join(ErrInFlight, err)
+		return c, sent, errors.Join(ErrInFlight, err)
 	}
 	defer wake.Close()
 	recheck := time.NewTicker(g.opts.RecheckInterval)
@@ -271,23 +277,24 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (Claim, error)
 	for {
 		// Not wctx: a claim cut short by the wait's deadline might still
 		// take the record on the server, leaving an owner nobody knows of.
+		sent = time.Now()
 		c, err = g.store.Claim(ctx, req)
 		if err != nil {
 			// The original is known to be running: whatever else failed,
 			// this request must not be run beside it (say, by failing open).
-			return c, errors.Join(ErrInFlight, err)
+			return c, sent, errors.Join(ErrInFlight, err)
 		}
 		if c.State != InFlight {
-			return c, claimErr(c, nil)
+			return c, sent, claimErr(c, nil)
 		}
 		select {
 		case <-wake.C():
 		case <-recheck.C:
 		case <-wctx.Done():
 			if ctx.Err() != nil {
-				return c, ctx.Err()
+				return c, sent, ctx.Err()
 			}
-			return c, ErrInFlight
+			return c, sent, ErrInFlight
 		}
 	}
 }
@@ -300,203 +307,6 @@ func claimErr(c Claim, err error) error {
 		return ErrMismatch
 	}
 	return nil
-}
-
-// run executes fn as the record's owner and settles the record with its
-// outcome. An abandoned record goes to Options.Recover first.
-func (g *Guard) run(ctx context.Context, k Key, c Claim, fn func(ctx context.Context) (Response, error)) (Result, error) {
-	if c.Abandoned && g.opts.Recover != nil {
-		resp, d, err := g.recover(ctx, k, c)
-		if err != nil {
-			return Result{}, err
-		}
-		if d == Keep || d == Settled {
-			return Result{Response: resp, Replayed: true, Disposition: d, OperationID: c.OperationID}, nil
-		}
-		// The hook found that the operation never happened: run it now,
-		// still as the owner.
-	}
-	resp, d, fnErr, lost := g.attempt(ctx, k, c, fn, g.release, true)
-	if fnErr != nil {
-		if err := g.release(ctx, k, c.Token); err != nil {
-			return Result{}, errors.Join(fnErr, err)
-		}
-		return Result{}, fnErr
-	}
-	if lost != nil && d != Settled {
-		return Result{}, lost
-	}
-	if err := g.settle(ctx, k, c.Token, resp, d); err != nil {
-		return Result{}, err
-	}
-	return Result{Response: resp, Disposition: d, OperationID: c.OperationID}, nil
-}
-
-// recover runs Options.Recover as the owner of an abandoned record and
-// settles the record as it decides. When the hook cannot tell what happened,
-// the record is left abandoned for a later retry or sweep, and the error
-// matches ErrInFlight: the operation may still have happened.
-func (g *Guard) recover(ctx context.Context, k Key, c Claim) (Response, Disposition, error) {
-	resp, d, err, lost := g.attempt(ctx, k, c, g.opts.Recover, g.abandon, false)
-	if err != nil {
-		if aerr := g.abandon(ctx, k, c.Token); aerr != nil {
-			err = errors.Join(err, aerr)
-		}
-		return Response{}, 0, errors.Join(ErrInFlight, err)
-	}
-	if lost != nil && d != Settled {
-		return Response{}, 0, lost
-	}
-	if d == Keep || d == Settled {
-		if err := g.settle(ctx, k, c.Token, resp, d); err != nil {
-			return Response{}, 0, err
-		}
-	}
-	return resp, d, nil
-}
-
-// attempt runs f as the owner of c under a renewing lease. It returns f's
-// response, the disposition chosen for it, f's error, and why the lease was
-// lost, if it was. Should f panic, onPanic settles the record before the
-// panic goes on. With early, f may settle the record before it returns
-// (see Info.settleEarly); the disposition is then Settled.
-func (g *Guard) attempt(ctx context.Context, k Key, c Claim, f func(ctx context.Context) (Response, error),
-	onPanic func(context.Context, Key, uint64) error, early bool) (resp Response, d Disposition, err, lost error) {
-	info := &Info{OperationID: c.OperationID, Attempt: c.Attempt, Token: c.Token, Takeover: c.Attempt > 1, Abandoned: c.Abandoned}
-	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, infoKey{}, info))
-	defer cancel(nil)
-	stop := g.heartbeat(fctx, cancel, k, c.Token)
-	settled := false
-	if early {
-		// Called on f's goroutine, before f returns: settled needs no lock.
-		info.early = func(resp Response) error {
-			d := info.disposition()
-			if lost := stop(); lost != nil && d != Settled {
-				return lost
-			}
-			if err := g.settle(ctx, k, c.Token, resp, d); err != nil {
-				return err
-			}
-			settled = true
-			return nil
-		}
-	}
-	returned := false
-	defer func() {
-		if !returned {
-			stop()
-			_ = onPanic(ctx, k, c.Token)
-		}
-	}()
-	resp, err = f(fctx)
-	returned = true
-	lost = stop()
-	if settled {
-		return resp, Settled, err, lost
-	}
-	return resp, info.disposition(), err, lost
-}
-
-// settle applies an owner's disposition to the record. It runs even when
-// the caller's context is done: the outcome exists and must not be lost
-// because the client went away.
-func (g *Guard) settle(ctx context.Context, k Key, token uint64, resp Response, d Disposition) error {
-	ctx = context.WithoutCancel(ctx)
-	switch d {
-	case Keep:
-		return g.store.Complete(ctx, k, token, resp, g.opts.Retention)
-	case Release, Forget:
-		return g.store.Release(ctx, k, token, d == Forget)
-	}
-	return nil
-}
-
-// release frees the record for a retry that keeps the operation ID.
-func (g *Guard) release(ctx context.Context, k Key, token uint64) error {
-	return g.store.Release(context.WithoutCancel(ctx), k, token, false)
-}
-
-// abandon gives the lease up without settling, so the record stays
-// abandoned: the next claim takes it over and recovers it again.
-func (g *Guard) abandon(ctx context.Context, k Key, token uint64) error {
-	return g.store.Heartbeat(context.WithoutCancel(ctx), k, token, 0)
-}
-
-// heartbeat renews the lease every Lease/3 until stop is called. When the
-// store refuses a renewal, or renewals keep failing until the lease must
-// have run out, it cancels ctx with the reason. stop waits for a renewal in
-// progress to end and returns that reason, or nil.
-//
-// Renewals run from a timer, not from a goroutine of their own: nearly every
-// operation ends before its first renewal, and so pays for no goroutine and
-// no hand-off to stop it, which cost a new operation on Redis a tenth of
-// its throughput.
-func (g *Guard) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, k Key, token uint64) (stop func() error) {
-	r := &renewer{g: g, ctx: ctx, cancel: cancel, k: k, token: token, renewed: time.Now()}
-	r.mu.Lock()
-	r.t = time.AfterFunc(g.opts.Lease/3, r.renew)
-	r.mu.Unlock()
-	return r.stop
-}
-
-// renewer renews one owner's lease; see Guard.heartbeat.
-type renewer struct {
-	g      *Guard
-	ctx    context.Context
-	cancel context.CancelCauseFunc
-	k      Key
-	token  uint64
-
-	mu       sync.Mutex
-	t        *time.Timer
-	stopped  bool
-	renewing sync.WaitGroup // a renewal in progress
-	lost     error          // written by a renewal, read after renewing.Wait
-	renewed  time.Time      // renewals never overlap: each arms the next when it ends
-}
-
-func (r *renewer) renew() {
-	began := time.Now()
-	r.mu.Lock()
-	if r.stopped || r.ctx.Err() != nil {
-		r.mu.Unlock()
-		return
-	}
-	// Under mu, before stop sets stopped: so never after stop's Wait began.
-	r.renewing.Add(1)
-	r.mu.Unlock()
-	defer r.renewing.Done()
-
-	lease := r.g.opts.Lease
-	err := r.g.store.Heartbeat(r.ctx, r.k, r.token, lease)
-	switch {
-	case err == nil:
-		r.renewed = time.Now()
-	case errors.Is(err, ErrFenced):
-		r.lost = err
-	case time.Since(r.renewed) >= lease:
-		r.lost = fmt.Errorf("%w: lease not renewed for %v: %w", ErrFenced, time.Since(r.renewed).Round(time.Millisecond), err)
-	}
-	if r.lost != nil {
-		r.cancel(r.lost)
-		return
-	}
-	r.mu.Lock()
-	if !r.stopped {
-		// Keep the cadence of a ticker: a slow renewal does not postpone
-		// the next one.
-		r.t.Reset(max(lease/3-time.Since(began), 0))
-	}
-	r.mu.Unlock()
-}
-
-func (r *renewer) stop() error {
-	r.mu.Lock()
-	r.stopped = true
-	r.t.Stop()
-	r.mu.Unlock()
-	r.renewing.Wait()
-	return r.lost
 }
 
 // Info describes the attempt that is running an operation; fn and HTTP

@@ -3,6 +3,7 @@ package idempotency
 import (
 	"context"
 	"errors"
+	"time"
 )
 
 // errNoRecover is returned by Sweep when there is no hook to settle with.
@@ -29,37 +30,54 @@ func (g *Guard) Sweep(ctx context.Context, limit int) (int, error) {
 	settled := 0
 	var errs []error
 	for _, a := range list {
+		sent := time.Now()
 		c, err := g.store.Claim(ctx, ClaimRequest{Key: a.Key, Fingerprint: a.Fingerprint, OperationID: newOperationID(),
 			Lease: g.opts.Lease, Retention: g.opts.Retention})
-		switch {
-		case err != nil:
+		if err != nil {
 			errs = append(errs, err)
 			continue
-		case c.State != Owner:
+		}
+		if c.State != Owner {
 			continue // settled, or taken over by a retry, since it was listed
-		case !c.Abandoned:
-			// Released, or expired and so made anew by this very claim:
-			// nothing to recover. Give it back as it was.
-			if err := g.store.Release(ctx, a.Key, c.Token, c.Attempt == 1); err != nil {
-				errs = append(errs, err)
-			}
-			continue
 		}
-		_, d, err := g.recover(ctx, a.Key, c)
-		if err != nil {
-			if !errors.Is(err, ErrUnknown) {
-				errs = append(errs, err)
-			}
-			continue
+		ok, err := g.sweepOne(ctx, a.Key, c, sent)
+		if err != nil && !errors.Is(err, ErrUnknown) {
+			errs = append(errs, err)
 		}
-		if d == Release || d == Forget {
-			// The operation never happened: free the key for its client.
-			if err := g.settle(ctx, a.Key, c.Token, Response{}, d); err != nil {
-				errs = append(errs, err)
-				continue
-			}
+		if ok {
+			settled++
 		}
-		settled++
 	}
 	return settled, errors.Join(errs...)
+}
+
+// sweepOne settles, through Options.Recover, one listed record that the
+// sweeper now owns through c, sent at sent, under the lease an owner keeps.
+// It reports whether the hook settled it.
+func (g *Guard) sweepOne(ctx context.Context, k Key, c Claim, sent time.Time) (bool, error) {
+	o, err := g.own(ctx, k, c, sent)
+	if err != nil {
+		return false, err
+	}
+	defer o.cancel(nil)
+	if !c.Abandoned {
+		// Released, or expired and so made anew by this very claim:
+		// nothing to recover. Give it back as it was.
+		d := Release
+		if c.Attempt == 1 {
+			d = Forget
+		}
+		return false, o.settle(Response{}, d)
+	}
+	_, d, err := o.recover()
+	if err != nil {
+		return false, err
+	}
+	if d == Release || d == Forget {
+		// The operation never happened: free the key for its client.
+		if err := o.settle(Response{}, d); err != nil {
+			return false, err
+		}
+	}
+	return true, nil
 }

@@ -1,0 +1,292 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// leaseMargin is how much sooner than the store an owner ends its own lease:
+// a twentieth of the lease, at least 10ms (timer lateness on a busy machine,
+// the store's millisecond clock), and at most a quarter of the lease, so
+// that a short lease still leaves time to renew. It also covers a store
+// clock that runs up to 5% faster than the owner's.
+func leaseMargin(lease time.Duration) time.Duration {
+	return min(max(lease/20, 10*time.Millisecond), lease/4)
+}
+
+// owner is one attempt's hold on a record, from the claim that made it the
+// owner to the store call that settles the record. It keeps one rule:
+//
+//	the operation's context is done no later than sent + Lease - margin,
+//
+// where sent is when the last claim or renewal that the store confirmed was
+// handed to the store, read on this process's monotonic clock. The store
+// starts its lease when it applies that call, which is later, so the owner
+// stops before anyone else can own the record. A local timer enforces the
+// rule: no store call has to return for the context to end, and every store
+// call made for the owner carries that moment as its deadline.
+type owner struct {
+	g      *Guard
+	k      Key
+	c      Claim
+	ctx    context.Context // the lease's: every call the owner runs derives from it
+	cancel context.CancelCauseFunc
+
+	mu       sync.Mutex
+	deadline time.Time   // sent + Lease - margin of the last confirmed claim or renewal
+	next     time.Time   // when the next renewal is due
+	timer    *time.Timer // fires at the earlier of next and deadline
+	ended    bool        // settling began, or the lease was lost: nothing more is renewed
+	lost     error       // why the lease ended before the owner settled; matches ErrFenced
+	failed   error       // the last renewal's failure, named when the lease then runs out
+}
+
+// abandon is a Disposition for the Guard's own use: the owner gives its lease
+// up without settling, so the record stays abandoned for the next claim.
+const abandon Disposition = -1
+
+// errLateClaim: the store confirmed a claim only after the lease it started
+// would have run out, so the caller must not act on it.
+var errLateClaim = errors.New("claim confirmed too late to act on")
+
+// own makes the caller the owner of c, a claim sent at sent that made it
+// one, and starts the lease. A claim confirmed too late to be acted on is
+// given back, and own fails with ErrUnavailable: nothing ran, and a retry
+// finds the record as this claim left it.
+func (g *Guard) own(ctx context.Context, k Key, c Claim, sent time.Time) (*owner, error) {
+	lease := g.opts.Lease
+	o := &owner{g: g, k: k, c: c, deadline: sent.Add(lease - leaseMargin(lease)), next: sent.Add(lease / 3)}
+	now := time.Now()
+	if !now.Before(o.deadline) {
+		d := Release
+		switch {
+		case c.Abandoned:
+			d = abandon // the next owner must still learn that an attempt may have acted
+		case c.Attempt == 1:
+			d = Forget // the record is this claim's own
+		}
+		// Not waited for: it only spares the next claim the wait for the
+		// lease, and the token keeps it harmless whenever it lands.
+		go func() {
+			bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), lease)
+			defer cancel()
+			_ = g.apply(bctx, k, c.Token, Response{}, d)
+		}()
+		return nil, fmt.Errorf("%w: %w, %v after it was sent", ErrUnavailable, errLateClaim, now.Sub(sent).Round(time.Millisecond))
+	}
+	o.ctx, o.cancel = context.WithCancelCause(ctx)
+	o.mu.Lock()
+	o.timer = time.AfterFunc(o.next.Sub(now), o.tick)
+	o.mu.Unlock()
+	return o, nil
+}
+
+// run runs fn as the owner and settles the record with its outcome. An
+// abandoned record goes to Options.Recover first.
+func (o *owner) run(fn func(ctx context.Context) (Response, error)) (Result, error) {
+	defer o.cancel(nil)
+	if o.c.Abandoned && o.g.opts.Recover != nil {
+		resp, d, err := o.recover()
+		switch {
+		case err != nil:
+			return Result{}, err
+		case d == Keep || d == Settled:
+			return Result{Response: resp, Replayed: true, Disposition: d, OperationID: o.c.OperationID}, nil
+		}
+		// The hook found that the operation never happened: run it now,
+		// still under the same lease.
+	}
+	resp, d, err := o.call(fn, Release, true)
+	if err != nil {
+		// fn's error may be the lost lease itself, from its context.
+		if serr := o.settle(Response{}, Release); serr != nil && !errors.Is(err, serr) {
+			err = errors.Join(err, serr)
+		}
+		return Result{}, err
+	}
+	if err := o.settle(resp, d); err != nil {
+		return Result{}, err
+	}
+	return Result{Response: resp, Disposition: d, OperationID: o.c.OperationID}, nil
+}
+
+// recover runs Options.Recover as the owner of an abandoned record and
+// settles the record when the hook decided its outcome. A hook that found
+// that the operation never happened leaves the record to the caller, still
+// owned, with the disposition Release or Forget. When the hook cannot tell,
+// the record is left abandoned for a later retry or sweep, and the error
+// matches ErrInFlight: the operation may still have happened.
+func (o *owner) recover() (Response, Disposition, error) {
+	resp, d, err := o.call(o.g.opts.Recover, abandon, false)
+	if err != nil {
+		return Response{}, 0, errors.Join(ErrInFlight, err, o.settle(Response{}, abandon))
+	}
+	if d == Keep || d == Settled {
+		if err := o.settle(resp, d); err != nil {
+			return Response{}, 0, err
+		}
+	}
+	return resp, d, nil
+}
+
+// call runs f under the lease, with an Info of its own in its context, and
+// returns its response, the disposition chosen for it (Settled once it was
+// settled early), and its error. Should f panic, the record is settled with
+// onPanic before the panic goes on. With early, f may settle the record
+// before it returns (see Info.settleEarly).
+func (o *owner) call(f func(ctx context.Context) (Response, error), onPanic Disposition, early bool) (Response, Disposition, error) {
+	c := o.c
+	info := &Info{OperationID: c.OperationID, Attempt: c.Attempt, Token: c.Token, Takeover: c.Attempt > 1, Abandoned: c.Abandoned}
+	settled := false
+	if early {
+		// Called on f's goroutine, before f returns: settled needs no lock.
+		info.early = func(resp Response) error {
+			if err := o.settle(resp, info.disposition()); err != nil {
+				return err
+			}
+			settled = true
+			return nil
+		}
+	}
+	returned := false
+	defer func() {
+		if !returned && !settled {
+			_ = o.settle(Response{}, onPanic)
+		}
+	}()
+	resp, err := f(context.WithValue(o.ctx, infoKey{}, info))
+	returned = true
+	if settled {
+		return resp, Settled, err
+	}
+	return resp, info.disposition(), err
+}
+
+// settle ends the lease and applies d to the record, unless the lease was
+// lost first: then it changes nothing and returns why, except for Settled,
+// where the operation stored its outcome itself. The store call has until
+// the lease's local end; should it not answer by then, settle returns
+// ErrUnavailable without waiting for it: the outcome may or may not be
+// stored, and a retry finds out which.
+func (o *owner) settle(resp Response, d Disposition) error {
+	deadline, lost := o.end()
+	if d == Settled {
+		return nil
+	}
+	if lost != nil {
+		return lost
+	}
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(o.ctx), deadline)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- o.g.apply(ctx, o.k, o.c.Token, resp, d) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("%w: the store did not confirm the outcome before the lease ran out: %w", ErrUnavailable, ctx.Err())
+	}
+}
+
+// apply is the store call that gives d effect for the owner of token.
+func (g *Guard) apply(ctx context.Context, k Key, token uint64, resp Response, d Disposition) error {
+	switch d {
+	case Keep:
+		return g.store.Complete(ctx, k, token, resp, g.opts.Retention)
+	case Release, Forget:
+		return g.store.Release(ctx, k, token, d == Forget)
+	case abandon:
+		return g.store.Heartbeat(ctx, k, token, 0)
+	}
+	return nil
+}
+
+// end ends the lease for settling: no renewal is sent from now on. It
+// returns the lease's local end, and why it was lost, if it was, counting a
+// deadline that passed while the timer had yet to fire.
+func (o *owner) end() (deadline time.Time, lost error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if !o.ended && !time.Now().Before(o.deadline) {
+		o.loseLocked(o.expired())
+	}
+	o.ended = true
+	o.timer.Stop()
+	return o.deadline, o.lost
+}
+
+// tick runs from the timer: it ends the lease once its deadline has come,
+// and otherwise sends the renewal that is due and arms the timer again.
+// Renewals keep their cadence whatever their replies do: one that hangs
+// neither delays the next nor the end of the lease.
+func (o *owner) tick() {
+	now := time.Now()
+	o.mu.Lock()
+	if o.ended {
+		o.mu.Unlock()
+		return
+	}
+	if !now.Before(o.deadline) {
+		o.loseLocked(o.expired())
+		o.mu.Unlock()
+		return
+	}
+	renew := !now.Before(o.next)
+	if renew {
+		o.next = now.Add(o.g.opts.Lease / 3)
+	}
+	o.timer.Reset(min(o.next.Sub(now), o.deadline.Sub(now)))
+	deadline := o.deadline
+	o.mu.Unlock()
+	if renew {
+		o.renew(now, deadline)
+	}
+}
+
+// renew sends one renewal, sent at sent, with the lease's current local end
+// as its deadline. A confirmed renewal moves the end to sent + Lease -
+// margin; a refused one loses the lease; any other failure changes nothing,
+// since the lease may still be live: the next renewal may get through.
+func (o *owner) renew(sent, deadline time.Time) {
+	lease := o.g.opts.Lease
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(o.ctx), deadline)
+	defer cancel()
+	err := o.g.store.Heartbeat(ctx, o.k, o.c.Token, lease)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	switch {
+	case o.ended:
+	case err == nil:
+		if d := sent.Add(lease - leaseMargin(lease)); d.After(o.deadline) {
+			o.deadline = d
+		}
+	case errors.Is(err, ErrFenced):
+		o.loseLocked(err)
+	default:
+		o.failed = err
+	}
+}
+
+// expired is the cause of a lease that ran out locally. o.mu is held.
+func (o *owner) expired() error {
+	err := fmt.Errorf("%w: lease ran out: no renewal confirmed in time (lease %v, margin %v)",
+		ErrFenced, o.g.opts.Lease, leaseMargin(o.g.opts.Lease))
+	if o.failed != nil {
+		return fmt.Errorf("%w: last renewal: %w", err, o.failed)
+	}
+	return err
+}
+
+// loseLocked ends the lease with cause: the operation's context is
+// cancelled with it, and nothing more is renewed or settled. o.mu is held.
+func (o *owner) loseLocked(cause error) {
+	if o.lost == nil {
+		o.lost = cause
+	}
+	o.ended = true
+	o.timer.Stop()
+	o.cancel(o.lost)
+}
