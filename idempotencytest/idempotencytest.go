@@ -2,7 +2,7 @@
 // idempotency.Store passes. It checks the record's state machine (see the
 // Store interface): claims, takeovers, fencing, retention, wake-ups, the
 // atomicity of concurrent claims, abandoned records and their listing, and
-// the Guard running on top of the store.
+// the Guard running on top of the store, also once the store stops answering.
 //
 // A store's test calls Run:
 //
@@ -75,6 +75,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"AbandonedTakeover", abandonedTakeover},
 		{"GiveUpLease", giveUpLease},
 		{"AbandonedListing", abandonedListing},
+		{"SilentStoreStopsOwner", silentStoreStopsOwner},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -1,0 +1,183 @@
+package idempotencytest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/idempotency-go/idempotency"
+	"github.com/stretchr/testify/require"
+)
+
+// silenceLease is the lease of the owner whose store falls silent: long
+// enough for a renewal or two on a busy machine, short enough for the case
+// to run in real time, as the owner's timer does whatever the store's clock.
+const silenceLease = 300 * time.Millisecond
+
+// returnBound is how soon after its operation ends, with the lease lost, Do
+// must return: it makes no store call then, so this is scheduling slack.
+const returnBound = 250 * time.Millisecond
+
+// silentStore passes calls to the store under test until silence is called;
+// from then on every call blocks, until its context ends or, with forever,
+// until the case ends, as on a partitioned connection seen by a client that
+// honours deadlines or by one that does not. It records when each call it
+// passed was made, the latest of those confirmed.
+type silentStore struct {
+	idempotency.Store
+	forever bool
+	caseCtx context.Context
+
+	silent    atomic.Bool
+	mu        sync.Mutex
+	confirmed time.Time // when the last call that succeeded was made
+}
+
+func (s *silentStore) silence() { s.silent.Store(true) }
+
+func (s *silentStore) lastConfirmed() time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.confirmed
+}
+
+// call runs f, unless the store is silent.
+func (s *silentStore) call(ctx context.Context, f func() error) error {
+	if s.silent.Load() {
+		done := ctx.Done()
+		if s.forever {
+			done = s.caseCtx.Done()
+		}
+		<-done
+		return fmt.Errorf("%w: silent store", idempotency.ErrUnavailable)
+	}
+	sent := time.Now()
+	err := f()
+	if err == nil {
+		s.mu.Lock()
+		s.confirmed = sent
+		s.mu.Unlock()
+	}
+	return err
+}
+
+func (s *silentStore) Claim(ctx context.Context, req idempotency.ClaimRequest) (c idempotency.Claim, err error) {
+	err = s.call(ctx, func() error { c, err = s.Store.Claim(ctx, req); return err })
+	return c, err
+}
+
+func (s *silentStore) Complete(ctx context.Context, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
+	return s.call(ctx, func() error { return s.Store.Complete(ctx, k, token, resp, retention) })
+}
+
+func (s *silentStore) Release(ctx context.Context, k idempotency.Key, token uint64, forget bool) error {
+	return s.call(ctx, func() error { return s.Store.Release(ctx, k, token, forget) })
+}
+
+func (s *silentStore) Heartbeat(ctx context.Context, k idempotency.Key, token uint64, lease time.Duration) error {
+	return s.call(ctx, func() error { return s.Store.Heartbeat(ctx, k, token, lease) })
+}
+
+// 17. An owner whose store stops answering stops on its own: its operation's
+// context is done within the lease of the last call the store confirmed, Do
+// returns right after the operation does, and a second Guard on the store
+// becomes the owner only after that. The store falls silent while the
+// operation runs, once before its first renewal and once after it.
+func silentStoreStopsOwner(e *env) {
+	for _, forever := range []bool{false, true} {
+		for _, renewed := range []bool{false, true} {
+			name := fmt.Sprintf("Blocking=%s/AfterRenewal=%v", map[bool]string{false: "UntilDeadline", true: "ForEver"}[forever], renewed)
+			e.run(name, func(e *env) { e.silentOwner(forever, renewed) })
+		}
+	}
+}
+
+func (e *env) silentOwner(forever, renewed bool) {
+	k, fp := e.key("silent"), fingerprint("a")
+	silent := &silentStore{Store: e.store, forever: forever, caseCtx: e.ctx}
+	a := idempotency.New(silent, idempotency.Options{Lease: silenceLease})
+	b := idempotency.New(e.store, idempotency.Options{Lease: silenceLease, WaitTimeout: -1})
+
+	var aDone atomic.Int64 // when A's context ended, in ns since the Unix epoch
+	started := make(chan struct{})
+	type outcome struct {
+		err      error
+		cause    error
+		returned time.Time
+	}
+	aOut := make(chan outcome, 1)
+	go func() {
+		var cause error
+		_, err := a.Do(e.ctx, k, fp, func(ctx context.Context) (idempotency.Response, error) {
+			close(started)
+			select {
+			case <-ctx.Done():
+				aDone.Store(time.Now().UnixNano())
+				cause = context.Cause(ctx)
+			case <-time.After(wakeTimeout):
+			}
+			return idempotency.Response{Status: http.StatusCreated, Body: []byte("A")}, nil
+		})
+		aOut <- outcome{err, cause, time.Now()}
+	}()
+	<-started
+	if renewed {
+		time.Sleep(silenceLease/3 + silenceLease/6)
+	}
+	silent.silence()
+
+	// B tries every 20ms; the store's clock must move for a store whose
+	// clock the harness moves, and only once A has stopped.
+	var bStarted time.Time
+	bWant := idempotency.Response{Status: http.StatusCreated, Body: []byte("B")}
+	tryB := func() bool {
+		_, err := b.Do(e.ctx, k, fp, func(context.Context) (idempotency.Response, error) {
+			bStarted = time.Now()
+			return bWant, nil
+		})
+		if err != nil {
+			require.ErrorIs(e.t, err, idempotency.ErrInFlight, "B's Do while A holds the record")
+		}
+		return !bStarted.IsZero()
+	}
+	var out outcome
+	deadline := time.After(wakeTimeout)
+	for gotA := false; !gotA; {
+		select {
+		case out = <-aOut:
+			gotA = true
+		case <-deadline:
+			e.t.Fatalf("A's Do did not return within %v of its store falling silent", wakeTimeout)
+		case <-time.After(20 * time.Millisecond):
+			if e.advance == nil && tryB() {
+				e.t.Fatalf("B became the owner while A's context was live")
+			}
+		}
+	}
+	aEnded := time.Unix(0, aDone.Load())
+	require.NotZero(e.t, aDone.Load(), "A's context never ended")
+	require.ErrorIs(e.t, out.cause, idempotency.ErrFenced, "the cause of A's context")
+	require.ErrorIs(e.t, out.err, idempotency.ErrFenced, "A's Do")
+	require.Less(e.t, aEnded.Sub(silent.lastConfirmed()), silenceLease,
+		"A's context outlived the lease of the last call its store confirmed")
+	require.Less(e.t, out.returned.Sub(aEnded), returnBound, "A's Do returned late after its operation did")
+
+	if e.advance != nil {
+		e.advance(silenceLease + 100*time.Millisecond)
+	}
+	end := time.Now().Add(wakeTimeout)
+	for !tryB() {
+		require.True(e.t, time.Now().Before(end), "B never became the owner after A stopped")
+		time.Sleep(20 * time.Millisecond)
+	}
+	require.True(e.t, bStarted.After(aEnded), "B started %v before A's context ended", aEnded.Sub(bStarted))
+	res, err := b.Do(e.ctx, k, fp, func(context.Context) (idempotency.Response, error) {
+		return idempotency.Response{}, errors.New("ran again after B completed")
+	})
+	require.NoError(e.t, err, "Do after B completed")
+	requireResponse(e.t, bWant, res.Response, "the replay after B completed")
+}
