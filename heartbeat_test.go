@@ -228,4 +228,3 @@ func TestLateClaimIsGivenBack(t *testing.T) {
 		return err == nil && c.State == Owner && c.Attempt == 1 && c.OperationID == "next"
 	}, time.Second, 5*time.Millisecond, "the late claim's record was not given back")
 }
-
