@@ -64,7 +64,7 @@ type Store struct {
 	pool *pgxpool.Pool
 	opts Options
 	// The table's statements, with its quoted name filled in.
-	claimSQL, completeSQL, releaseSQL, forgetSQL, heartbeatSQL, abandonedSQL, deleteSQL string
+	claimSQL, completeSQL, completeTxSQL, releaseSQL, forgetSQL, heartbeatSQL, abandonedSQL, deleteSQL string
 
 	mu   sync.Mutex
 	subs map[string]map[*subscription]struct{} // by wakeID
@@ -101,6 +101,10 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 			FROM ` + n.Claim + `($1, $2, $3, $4, $5, $6, $7)`,
 		completeSQL: `UPDATE ` + t + ` SET state = 'completed', response = $4,
 			expires_at = now() + $5 * interval '1 microsecond' WHERE ` + owned,
+		// In the caller's transaction, now() is when it began: the lease is
+		// judged by the clock at the statement itself.
+		completeTxSQL: `UPDATE ` + t + ` SET state = 'completed', response = $4,
+			expires_at = now() + $5 * interval '1 microsecond' WHERE ` + owned + ` AND lease_until > clock_timestamp()`,
 		releaseSQL:   `UPDATE ` + t + ` SET state = 'released' WHERE ` + owned,
 		forgetSQL:    `DELETE FROM ` + t + ` WHERE ` + owned,
 		heartbeatSQL: `UPDATE ` + t + ` SET lease_until = now() + $4 * interval '1 microsecond' WHERE ` + owned,
@@ -229,18 +233,26 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 
 // Complete implements idempotency.Store.
 func (s *Store) Complete(ctx context.Context, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
-	return s.complete(ctx, s.pool, k, token, resp, retention)
+	return s.complete(ctx, s.pool, s.completeSQL, k, token, resp, retention)
 }
 
 // CompleteTx is Complete inside the caller's transaction tx: the record is
 // completed if and only if tx commits, so that a business write made in tx
 // and the completion are both visible or neither. It is fenced like
-// Complete; on ErrFenced another attempt owns the record, and the caller
-// must roll tx back. The completed record's row stays locked until tx ends,
-// so the owner cannot be taken over in between, and waiters are woken when
-// tx commits.
+// Complete, and refused too once the owner's lease has run out by the
+// database's clock, even if no one took the record over yet; on ErrFenced
+// the caller must roll tx back.
+//
+// From the completion on, the record's row stays locked until tx ends, so no
+// claim can take the record over before tx commits or rolls back, and
+// waiters are woken when it commits. Commit tx with the operation's context
+// (the one Guard.Do gives fn): pgx sends no COMMIT on a context that is
+// done, so a transaction still open when the owner's lease ends locally
+// rolls back instead of committing. The owner's renewals wait on the row
+// lock meanwhile, so commit promptly: a transaction held open for a lease
+// after CompleteTx is one the lease ends.
 func (s *Store) CompleteTx(ctx context.Context, tx pgx.Tx, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
-	return s.complete(ctx, tx, k, token, resp, retention)
+	return s.complete(ctx, tx, s.completeTxSQL, k, token, resp, retention)
 }
 
 // Release implements idempotency.Store.
@@ -306,12 +318,12 @@ func (s *Store) DeleteExpired(ctx context.Context) (int64, error) {
 	}
 }
 
-func (s *Store) complete(ctx context.Context, q querier, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
+func (s *Store) complete(ctx context.Context, q querier, sql string, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
 	b, err := resp.MarshalBinary()
 	if err != nil {
 		return unavailable("complete", err)
 	}
-	return s.fenced(ctx, q, "complete", s.completeSQL, k, token, b, retention.Microseconds())
+	return s.fenced(ctx, q, "complete", sql, k, token, b, retention.Microseconds())
 }
 
 // querier runs a statement on a pool or in a transaction.

@@ -54,6 +54,8 @@ func TestStore(t *testing.T) {
 		{"CompleteTxRollback", testCompleteTxRollback},
 		{"CompleteTxCommit", testCompleteTxCommit},
 		{"GuardWithCompleteTx", testGuardWithCompleteTx},
+		{"CompleteTxOutlivesLease", testCompleteTxOutlivesLease},
+		{"CompleteTxAfterLease", testCompleteTxAfterLease},
 		{"DeleteExpired", testDeleteExpired},
 		{"ListenerReconnect", testListenerReconnect},
 		{"MigrateConcurrently", testMigrateConcurrently},
@@ -294,6 +296,98 @@ func testGuardWithCompleteTx(t *testing.T, f *fixture) {
 	var op string
 	require.NoError(t, f.pool.QueryRow(t.Context(), "SELECT operation_id FROM "+table).Scan(&op))
 	assert.Equal(t, op, string(results[0].Response.Body), "the retry kept the operation ID")
+}
+
+// A transaction held open after CompleteTx for longer than the lease: the
+// owner's renewals wait on the completed row's lock, its lease ends locally,
+// and the commit, made with the operation's context, does not happen. Nothing
+// is written, the record stays the owner's until its lease runs out on the
+// database, and the retry then charges once.
+func testCompleteTxOutlivesLease(t *testing.T, f *fixture) {
+	s, o := f.store(t)
+	table := charges(t, f, o)
+	const lease = 600 * time.Millisecond
+	g := idempotency.New(s, idempotency.Options{Lease: lease, Retention: longRetention, WaitTimeout: -1})
+	k, print := key("long-tx"), fp("long-tx")
+	var held time.Duration
+	_, err := g.Do(t.Context(), k, print, func(ctx context.Context) (idempotency.Response, error) {
+		info, _ := idempotency.FromContext(ctx)
+		tx, err := f.pool.Begin(ctx)
+		if err != nil {
+			return idempotency.Response{}, err
+		}
+		defer tx.Rollback(context.Background())
+		if _, err := tx.Exec(ctx, "INSERT INTO "+table+" (operation_id, amount) VALUES ($1, 100)", info.OperationID); err != nil {
+			return idempotency.Response{}, err
+		}
+		if err := s.CompleteTx(ctx, tx, k, info.Token, okResponse, longRetention); err != nil {
+			return idempotency.Response{}, err
+		}
+		began := time.Now()
+		select {
+		case <-ctx.Done():
+		case <-time.After(wakeTimeout):
+		}
+		held = time.Since(began)
+		if err := tx.Commit(ctx); err != nil {
+			return idempotency.Response{}, err
+		}
+		idempotency.SetDisposition(ctx, idempotency.Settled)
+		return okResponse, nil
+	})
+	require.ErrorIs(t, err, idempotency.ErrFenced, "Do whose transaction outlived the lease")
+	assert.Less(t, held, lease, "the lease did not end while the transaction was open")
+	assert.Zero(t, count(t, f, table), "the transaction committed after the lease ended locally")
+
+	var runs int
+	require.Eventually(t, func() bool {
+		_, err := g.Do(t.Context(), k, print, func(ctx context.Context) (idempotency.Response, error) {
+			runs++
+			info, _ := idempotency.FromContext(ctx)
+			tx, err := f.pool.Begin(ctx)
+			if err != nil {
+				return idempotency.Response{}, err
+			}
+			defer tx.Rollback(context.Background())
+			if _, err := tx.Exec(ctx, "INSERT INTO "+table+" (operation_id, amount) VALUES ($1, 100)", info.OperationID); err != nil {
+				return idempotency.Response{}, err
+			}
+			if err := s.CompleteTx(ctx, tx, k, info.Token, okResponse, longRetention); err != nil {
+				return idempotency.Response{}, err
+			}
+			if err := tx.Commit(ctx); err != nil {
+				return idempotency.Response{}, err
+			}
+			idempotency.SetDisposition(ctx, idempotency.Settled)
+			return okResponse, nil
+		})
+		return err == nil
+	}, wakeTimeout, 50*time.Millisecond, "the retry never ran")
+	assert.Equal(t, 1, runs, "runs of the retry")
+	assert.Equal(t, 1, count(t, f, table), "charges")
+}
+
+// CompleteTx is refused once the owner's lease has run out by the database's
+// clock, though no claim has taken the record over yet, and though the
+// caller's transaction began while the lease was live.
+func testCompleteTxAfterLease(t *testing.T, f *fixture) {
+	s, o := f.store(t)
+	table := charges(t, f, o)
+	req := request("stale", 200*time.Millisecond)
+	owner := claim(t, s, req)
+	require.Equal(t, idempotency.Owner, owner.State)
+	tx, err := f.pool.Begin(t.Context())
+	require.NoError(t, err)
+	defer tx.Rollback(context.Background())
+	_, err = tx.Exec(t.Context(), "INSERT INTO "+table+" (operation_id, amount) VALUES ($1, 100)", owner.OperationID)
+	require.NoError(t, err)
+	time.Sleep(300 * time.Millisecond)
+	err = s.CompleteTx(t.Context(), tx, req.Key, owner.Token, okResponse, longRetention)
+	require.ErrorIs(t, err, idempotency.ErrFenced, "CompleteTx after the lease ran out")
+	// Complete outside a transaction still accepts the late owner while no
+	// one has taken over: only its own lease is over, and nothing of the
+	// outcome is in doubt.
+	require.NoError(t, s.Complete(t.Context(), req.Key, owner.Token, okResponse, longRetention))
 }
 
 // A completion that rolls back with the business write leaves the record in
