@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -227,4 +228,24 @@ func TestLateClaimIsGivenBack(t *testing.T) {
 		c, err := mem.Claim(context.Background(), ClaimRequest{Key: k, Fingerprint: fp, OperationID: "next", Lease: time.Hour, Retention: time.Hour})
 		return err == nil && c.State == Owner && c.Attempt == 1 && c.OperationID == "next"
 	}, time.Second, 5*time.Millisecond, "the late claim's record was not given back")
+}
+
+// A handler tells a lost lease from a caller gone by its context's cause:
+// ErrFenced for the first (see TestHeartbeatGivesUpWhenRenewalsFail), the
+// caller's own cause for the second.
+func TestCallerGoneIsNotALostLease(t *testing.T) {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	gone := errors.New("client gone")
+	var cause error
+	_, err := New(NewMemoryStore(MemoryOptions{}), Options{}).Do(ctx, Key{Name: "k"}, FingerprintOf("op", nil),
+		func(ctx context.Context) (Response, error) {
+			cancel(gone)
+			<-ctx.Done()
+			cause = context.Cause(ctx)
+			return Response{}, cause
+		})
+	assert.ErrorIs(t, cause, gone)
+	assert.NotErrorIs(t, cause, ErrFenced, "the caller's cancellation reads as a lost lease")
+	assert.ErrorIs(t, err, gone)
+	assert.NotErrorIs(t, err, ErrFenced)
 }

@@ -139,8 +139,11 @@ func DefaultDisposition(status int) Disposition {
 // middleware.
 //
 // The handler's request context carries the attempt's Info (FromContext,
-// DownstreamKey, SetDisposition work in it) and is cancelled, with cause
-// ErrFenced, if the lease is lost. Its request body is the buffered body.
+// DownstreamKey, SetDisposition work in it) and is cancelled, with a cause
+// matching ErrFenced, when the lease ends (see Guard.Do): then the response
+// is not stored, the client gets 503, and the handler should stop and not
+// act further. A client that went away cancels it too, with the request
+// context's own cause (context.Canceled). Its request body is the buffered body.
 // Flush does nothing until the outcome is stored, and Hijack fails. If the
 // handler panics, the key is released before the panic goes on.
 //

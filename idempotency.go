@@ -125,7 +125,9 @@ func (d Disposition) String() string {
 type Options struct {
 	// Lease is how long an owner holds a record without renewing it. While
 	// the operation runs the Guard renews the lease every Lease/3; an owner
-	// that stops (crash, pause) loses the record one Lease later. Default 10s.
+	// that stops (crash, pause, or a store it cannot reach) loses the record
+	// one Lease after its last confirmed renewal, and its operation's context
+	// ends a margin sooner (see Do). Default 10s.
 	Lease time.Duration
 	// Retention is how long a record, and so a stored response, is kept. It
 	// must outlast the clients' longest retry window. Default 24h.
@@ -216,12 +218,25 @@ type Result struct {
 //     ErrInFlight.
 //   - A call whose fp differs from the record's fails with ErrMismatch.
 //
-// fn's context carries the record's Info (see FromContext). It is cancelled,
-// with ErrFenced as its cause, when the Guard learns that the lease was lost;
-// the result of such an attempt is never stored.
+// fn's context carries the record's Info (see FromContext). It is
+// cancelled, with a cause that matches ErrFenced, when the lease ends: at
+// once when the store refuses a renewal, and at the latest Lease - margin
+// after the last claim or renewal that the store confirmed was sent, by this
+// process's clock, whatever the store or the network does (margin is
+// Lease/20, at least 10ms and at most Lease/4). The store counts its lease
+// from when it applied that call, so no other attempt can own the record
+// while fn's context is live. Cancelled because the caller went away, the
+// context has the caller's cause instead (context.Canceled for a client gone
+// from net/http). The outcome of an attempt whose lease ended is never
+// stored, and Do returns ErrFenced.
 //
-// If storing the outcome fails, Do returns ErrFenced or ErrUnavailable and no
-// Response: the caller must not report success it could not record.
+// Do returns when fn has returned and the record is settled, and never
+// waits for a renewal in progress: the call that settles the record has
+// until the lease's local end, and should the store not confirm it by then,
+// Do returns ErrUnavailable at that moment without waiting for the call.
+// The outcome may then be stored or not: a retry finds out which. If storing
+// the outcome fails, Do returns ErrFenced or ErrUnavailable and no Response:
+// the caller must not report success it could not record.
 func (g *Guard) Do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error)) (Result, error) {
 	if err := k.Validate(); err != nil {
 		return Result{}, err

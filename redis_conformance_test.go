@@ -76,3 +76,15 @@ func TestRedisStoreConformance(t *testing.T) {
 func TestMigrationToRedis(t *testing.T) {
 	idempotencytest.RunMigration(t, idempotency.NewMemoryStore(idempotency.MemoryOptions{}), miniredisHarness(t).Store)
 }
+
+// A MigratingStore is a Store like any other: the whole suite runs on one
+// from a MemoryStore to a redis-server, with DualWrite, so that every owner
+// holds both records and a silent store is met on both paths.
+func TestMigratingStoreConformance(t *testing.T) {
+	to := redisStore(t, testserver.StartRedis(t).Client())
+	from := idempotency.NewMemoryStore(idempotency.MemoryOptions{})
+	m := idempotency.NewMigratingStore(from, to, idempotency.MigrationOptions{DualWrite: true})
+	idempotencytest.Run(t, func(t *testing.T) idempotencytest.Harness {
+		return idempotencytest.Harness{Store: m}
+	})
+}
