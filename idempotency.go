@@ -230,10 +230,12 @@ type Result struct {
 // from net/http). The outcome of an attempt whose lease ended is never
 // stored, and Do returns ErrFenced.
 //
-// Do returns when fn has returned and the record is settled, and never
-// waits for a renewal in progress: the call that settles the record has
-// until the lease's local end, and should the store not confirm it by then,
-// Do returns ErrUnavailable at that moment without waiting for the call.
+// Do returns when fn has returned and the record is settled: it waits for a
+// renewal in progress as long as a sound connection would take (twice the
+// last round trip, plus the margin), and the call that settles the record
+// has until the lease's local end; should the store not confirm it
+// by then, Do returns ErrUnavailable at that moment without waiting for the
+// call.
 // The outcome may then be stored or not: a retry finds out which. If storing
 // the outcome fails, Do returns ErrFenced or ErrUnavailable and no Response:
 // the caller must not report success it could not record.

@@ -36,12 +36,16 @@ type owner struct {
 	cancel context.CancelCauseFunc
 
 	mu       sync.Mutex
-	deadline time.Time   // sent + Lease - margin of the last confirmed claim or renewal
-	next     time.Time   // when the next renewal is due
-	timer    *time.Timer // fires at the earlier of next and deadline
-	ended    bool        // settling began, or the lease was lost: nothing more is renewed
-	lost     error       // why the lease ended before the owner settled; matches ErrFenced
-	failed   error       // the last renewal's failure, named when the lease then runs out
+	deadline time.Time     // sent + Lease - margin of the last confirmed claim or renewal
+	next     time.Time     // when the next renewal is due
+	timer    *time.Timer   // fires at the deadline, or at next when a renewal may be sent
+	renewing chan struct{} // closed when the renewal in flight returns; nil when none is
+	renewed  time.Time     // when the renewal in flight was sent
+	rtt      time.Duration // how long the last confirmed claim or renewal took
+	settling bool          // no renewal is sent any more, but the one in flight counts
+	ended    bool          // the settling call was made, or the lease was lost
+	lost     error         // why the lease ended before the owner settled; matches ErrFenced
+	failed   error         // the last renewal's failure, named when the lease then runs out
 }
 
 // abandon is a Disposition for the Guard's own use: the owner gives its lease
@@ -58,8 +62,8 @@ var errLateClaim = errors.New("claim confirmed too late to act on")
 // finds the record as this claim left it.
 func (g *Guard) own(ctx context.Context, k Key, c Claim, sent time.Time) (*owner, error) {
 	lease := g.opts.Lease
-	o := &owner{g: g, k: k, c: c, deadline: sent.Add(lease - leaseMargin(lease)), next: sent.Add(lease / 3)}
 	now := time.Now()
+	o := &owner{g: g, k: k, c: c, deadline: sent.Add(lease - leaseMargin(lease)), next: sent.Add(lease / 3), rtt: now.Sub(sent)}
 	if !now.Before(o.deadline) {
 		d := Release
 		switch {
@@ -167,11 +171,13 @@ func (o *owner) call(f func(ctx context.Context) (Response, error), onPanic Disp
 
 // settle ends the lease and applies d to the record, unless the lease was
 // lost first: then it changes nothing and returns why, except for Settled,
-// where the operation stored its outcome itself. The store call has until
-// the lease's local end; should it not answer by then, settle returns
-// ErrUnavailable without waiting for it: the outcome may or may not be
-// stored, and a retry finds out which.
+// where the operation stored its outcome itself. A renewal in flight is
+// waited for first (see awaitRenewal). The store call has until the lease's
+// local end; should it not answer by then, settle returns ErrUnavailable
+// without waiting for it: the outcome may or may not be stored, and a retry
+// finds out which.
 func (o *owner) settle(resp Response, d Disposition) error {
+	o.awaitRenewal()
 	deadline, lost := o.end()
 	if d == Settled {
 		return nil
@@ -191,6 +197,30 @@ func (o *owner) settle(resp Response, d Disposition) error {
 	}
 }
 
+// awaitRenewal sends no more renewals and waits for the one in flight, if
+// any, so that the outcome goes out on the renewal's connection rather than
+// a new one, which a slow network makes cost several round trips (and a
+// confirmed renewal leaves the outcome more time). It waits as long as a
+// sound connection would take, twice the last confirmed round trip plus the
+// margin, and never past the lease's local end: a renewal slower than that
+// is taken for one stuck on its connection.
+func (o *owner) awaitRenewal() {
+	o.mu.Lock()
+	o.settling = true
+	renewing := o.renewing
+	left := min(time.Until(o.renewed.Add(2*o.rtt+leaseMargin(o.g.opts.Lease))), time.Until(o.deadline))
+	o.mu.Unlock()
+	if renewing == nil || left <= 0 {
+		return
+	}
+	t := time.NewTimer(left)
+	defer t.Stop()
+	select {
+	case <-renewing:
+	case <-t.C:
+	}
+}
+
 // apply is the store call that gives d effect for the owner of token.
 func (g *Guard) apply(ctx context.Context, k Key, token uint64, resp Response, d Disposition) error {
 	switch d {
@@ -204,24 +234,24 @@ func (g *Guard) apply(ctx context.Context, k Key, token uint64, resp Response, d
 	return nil
 }
 
-// end ends the lease for settling: no renewal is sent from now on. It
-// returns the lease's local end, and why it was lost, if it was, counting a
-// deadline that passed while the timer had yet to fire.
+// end ends the lease for settling: from now on renewals neither extend nor
+// lose it. It returns the lease's local end, and why it was lost, if it
+// was, counting a deadline that passed while the timer had yet to fire.
 func (o *owner) end() (deadline time.Time, lost error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if !o.ended && !time.Now().Before(o.deadline) {
 		o.loseLocked(o.expired())
 	}
-	o.ended = true
+	o.settling, o.ended = true, true
 	o.timer.Stop()
 	return o.deadline, o.lost
 }
 
 // tick runs from the timer: it ends the lease once its deadline has come,
-// and otherwise sends the renewal that is due and arms the timer again.
-// Renewals keep their cadence whatever their replies do: one that hangs
-// neither delays the next nor the end of the lease.
+// and otherwise sends the renewal that is due. One renewal is in flight at
+// a time, so that renewals reuse one connection; one that is due while
+// another is in flight goes out when that one returns.
 func (o *owner) tick() {
 	now := time.Now()
 	o.mu.Lock()
@@ -234,11 +264,12 @@ func (o *owner) tick() {
 		o.mu.Unlock()
 		return
 	}
-	renew := !now.Before(o.next)
+	renew := !o.settling && o.renewing == nil && !now.Before(o.next)
 	if renew {
-		o.next = now.Add(o.g.opts.Lease / 3)
+		o.next, o.renewed = now.Add(o.g.opts.Lease/3), now
+		o.renewing = make(chan struct{})
 	}
-	o.timer.Reset(min(o.next.Sub(now), o.deadline.Sub(now)))
+	o.armLocked(now)
 	deadline := o.deadline
 	o.mu.Unlock()
 	if renew {
@@ -246,10 +277,21 @@ func (o *owner) tick() {
 	}
 }
 
+// armLocked sets the timer for what comes first: the lease's end, or the
+// next renewal when one may be sent. o.mu is held.
+func (o *owner) armLocked(now time.Time) {
+	at := o.deadline
+	if !o.settling && o.renewing == nil && o.next.Before(at) {
+		at = o.next
+	}
+	o.timer.Reset(at.Sub(now))
+}
+
 // renew sends one renewal, sent at sent, with the lease's current local end
 // as its deadline. A confirmed renewal moves the end to sent + Lease -
-// margin; a refused one loses the lease; any other failure changes nothing,
-// since the lease may still be live: the next renewal may get through.
+// margin, however late its reply came; a refused one loses the lease; any
+// other failure changes nothing, since the lease may still be live: the
+// next renewal may get through.
 func (o *owner) renew(sent, deadline time.Time) {
 	lease := o.g.opts.Lease
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(o.ctx), deadline)
@@ -257,17 +299,23 @@ func (o *owner) renew(sent, deadline time.Time) {
 	err := o.g.store.Heartbeat(ctx, o.k, o.c.Token, lease)
 	o.mu.Lock()
 	defer o.mu.Unlock()
+	close(o.renewing)
+	o.renewing = nil
 	switch {
 	case o.ended:
+		return
 	case err == nil:
 		if d := sent.Add(lease - leaseMargin(lease)); d.After(o.deadline) {
 			o.deadline = d
 		}
+		o.rtt = time.Since(sent)
 	case errors.Is(err, ErrFenced):
 		o.loseLocked(err)
+		return
 	default:
 		o.failed = err
 	}
+	o.armLocked(time.Now())
 }
 
 // expired is the cause of a lease that ran out locally. o.mu is held.
@@ -286,7 +334,7 @@ func (o *owner) loseLocked(cause error) {
 	if o.lost == nil {
 		o.lost = cause
 	}
-	o.ended = true
+	o.settling, o.ended = true, true
 	o.timer.Stop()
 	o.cancel(o.lost)
 }
