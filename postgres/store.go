@@ -47,6 +47,13 @@ type Options struct {
 	Channel string
 }
 
+// oneRoundTrip runs a statement of an operation's path in one round trip on
+// any connection. pgx's default prepares each statement on its first use on
+// a connection, a round trip more, which a slow network can make cost an
+// owner its lease: an owner's calls must fit in it, however fresh the
+// connection.
+const oneRoundTrip = pgx.QueryExecModeExec
+
 // deleteBatch bounds the rows one DeleteExpired statement deletes, so that
 // no transaction holds many row locks or runs for long.
 const deleteBatch = 10000
@@ -207,7 +214,7 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 		response []byte
 		leftUS   int64
 	)
-	err := s.pool.QueryRow(ctx, s.claimSQL, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID,
+	err := s.pool.QueryRow(ctx, s.claimSQL, oneRoundTrip, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID,
 		req.Lease.Microseconds(), req.Retention.Microseconds(), req.Watch).
 		Scan(&state, &c.OperationID, &c.Attempt, &token, &response, &leftUS, &c.Abandoned)
 	if err != nil {
@@ -335,7 +342,7 @@ type querier interface {
 func (s *Store) fenced(ctx context.Context, q querier, op, sql string, k idempotency.Key, token uint64, args ...any) error {
 	// The sequence issues tokens from 1 up to MaxInt64: a token beyond it
 	// turns negative here, matches no row, and so is fenced off.
-	tag, err := q.Exec(ctx, sql, append([]any{k.Scope, k.Name, int64(token)}, args...)...)
+	tag, err := q.Exec(ctx, sql, append([]any{oneRoundTrip, k.Scope, k.Name, int64(token)}, args...)...)
 	if err != nil {
 		return unavailable(op, err)
 	}
