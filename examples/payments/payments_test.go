@@ -161,7 +161,12 @@ func send(method, url, body string, header http.Header) (reply, error) {
 	for name, vs := range header {
 		req.Header[name] = vs
 	}
-	res, err := client.Do(req)
+	return roundTrip(client, req)
+}
+
+// roundTrip sends req with c and reads the reply whole.
+func roundTrip(c *http.Client, req *http.Request) (reply, error) {
+	res, err := c.Do(req)
 	if err != nil {
 		return reply{}, err
 	}
