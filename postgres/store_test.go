@@ -310,7 +310,33 @@ func testCompleteTxOutlivesLease(t *testing.T, f *fixture) {
 	g := idempotency.New(s, idempotency.Options{Lease: lease, Retention: longRetention, WaitTimeout: -1})
 	k, print := key("long-tx"), fp("long-tx")
 	var held time.Duration
-	_, err := g.Do(t.Context(), k, print, func(ctx context.Context) (idempotency.Response, error) {
+	_, err := g.Do(t.Context(), k, print, chargeInTx(f, s, table, k, func(ctx context.Context) {
+		began := time.Now()
+		select {
+		case <-ctx.Done():
+		case <-time.After(wakeTimeout):
+		}
+		held = time.Since(began)
+	}))
+	require.ErrorIs(t, err, idempotency.ErrFenced, "Do whose transaction outlived the lease")
+	assert.Less(t, held, lease, "the lease did not end while the transaction was open")
+	assert.Zero(t, count(t, f, table), "the transaction committed after the lease ended locally")
+
+	var runs int
+	retry := chargeInTx(f, s, table, k, func(context.Context) { runs++ })
+	require.Eventually(t, func() bool {
+		_, err := g.Do(t.Context(), k, print, retry)
+		return err == nil
+	}, wakeTimeout, 50*time.Millisecond, "the retry never ran")
+	assert.Equal(t, 1, runs, "runs of the retry")
+	assert.Equal(t, 1, count(t, f, table), "charges")
+}
+
+// chargeInTx is an operation for Guard.Do that writes a charge and
+// completes k's record in one transaction, calls beforeCommit, commits with
+// the operation's context, and tells the Guard with Settled.
+func chargeInTx(f *fixture, s *postgres.Store, table string, k idempotency.Key, beforeCommit func(ctx context.Context)) func(context.Context) (idempotency.Response, error) {
+	return func(ctx context.Context) (idempotency.Response, error) {
 		info, _ := idempotency.FromContext(ctx)
 		tx, err := f.pool.Begin(ctx)
 		if err != nil {
@@ -323,48 +349,13 @@ func testCompleteTxOutlivesLease(t *testing.T, f *fixture) {
 		if err := s.CompleteTx(ctx, tx, k, info.Token, okResponse, longRetention); err != nil {
 			return idempotency.Response{}, err
 		}
-		began := time.Now()
-		select {
-		case <-ctx.Done():
-		case <-time.After(wakeTimeout):
-		}
-		held = time.Since(began)
+		beforeCommit(ctx)
 		if err := tx.Commit(ctx); err != nil {
 			return idempotency.Response{}, err
 		}
 		idempotency.SetDisposition(ctx, idempotency.Settled)
 		return okResponse, nil
-	})
-	require.ErrorIs(t, err, idempotency.ErrFenced, "Do whose transaction outlived the lease")
-	assert.Less(t, held, lease, "the lease did not end while the transaction was open")
-	assert.Zero(t, count(t, f, table), "the transaction committed after the lease ended locally")
-
-	var runs int
-	require.Eventually(t, func() bool {
-		_, err := g.Do(t.Context(), k, print, func(ctx context.Context) (idempotency.Response, error) {
-			runs++
-			info, _ := idempotency.FromContext(ctx)
-			tx, err := f.pool.Begin(ctx)
-			if err != nil {
-				return idempotency.Response{}, err
-			}
-			defer tx.Rollback(context.Background())
-			if _, err := tx.Exec(ctx, "INSERT INTO "+table+" (operation_id, amount) VALUES ($1, 100)", info.OperationID); err != nil {
-				return idempotency.Response{}, err
-			}
-			if err := s.CompleteTx(ctx, tx, k, info.Token, okResponse, longRetention); err != nil {
-				return idempotency.Response{}, err
-			}
-			if err := tx.Commit(ctx); err != nil {
-				return idempotency.Response{}, err
-			}
-			idempotency.SetDisposition(ctx, idempotency.Settled)
-			return okResponse, nil
-		})
-		return err == nil
-	}, wakeTimeout, 50*time.Millisecond, "the retry never ran")
-	assert.Equal(t, 1, runs, "runs of the retry")
-	assert.Equal(t, 1, count(t, f, table), "charges")
+	}
 }
 
 // CompleteTx is refused once the owner's lease has run out by the database's
