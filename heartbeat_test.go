@@ -3,6 +3,9 @@ package idempotency
 import (
 	"context"
 	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -63,7 +66,7 @@ func TestHeartbeatKeepsTheRecord(t *testing.T) {
 // context is cancelled with ErrFenced, naming the renewals' failure, and
 // nothing is stored.
 func TestHeartbeatGivesUpWhenRenewalsFail(t *testing.T) {
-	const lease = 150 * time.Millisecond
+	const lease = 400 * time.Millisecond
 	var completes atomic.Int32
 	s := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: func(_ context.Context, op string) error {
 		switch op {
@@ -116,8 +119,12 @@ func TestHeartbeatHungRenewalDoesNotHoldDo(t *testing.T) {
 			entered := make(chan struct{})
 			var once sync.Once
 			var hctx context.Context
+			var claimed time.Time
 			mem := NewMemoryStore(MemoryOptions{})
 			s := &faultStore{Store: mem, hook: func(ctx context.Context, op string) error {
+				if op == "claim" {
+					claimed = time.Now()
+				}
 				if op != "heartbeat" {
 					return nil
 				}
@@ -137,7 +144,9 @@ func TestHeartbeatHungRenewalDoesNotHoldDo(t *testing.T) {
 			assert.Equal(t, 201, res.Response.Status)
 			d, ok := hctx.Deadline()
 			assert.True(t, ok, "a renewal was sent without a deadline")
-			assert.WithinDuration(t, returned, d, lease, "the renewal's deadline is not the lease's local end")
+			// The Guard sent the claim just before the store saw it.
+			assert.WithinDuration(t, claimed.Add(lease-leaseMargin(lease)), d, 10*time.Millisecond,
+				"the renewal's deadline is not the lease's local end")
 			c, err := mem.Claim(context.Background(), ClaimRequest{Key: k, Fingerprint: FingerprintOf("op", nil), OperationID: "again", Lease: lease, Retention: time.Hour})
 			require.NoError(t, err)
 			assert.Equal(t, Completed, c.State, "the outcome was not stored")
@@ -249,4 +258,199 @@ func TestCallerGoneIsNotALostLease(t *testing.T) {
 	assert.NotErrorIs(t, cause, ErrFenced, "the caller's cancellation reads as a lost lease")
 	assert.ErrorIs(t, err, gone)
 	assert.NotErrorIs(t, err, ErrFenced)
+}
+
+// A renewal confirmed late extends the lease from when it was sent, not from
+// its reply: once the store then falls silent, fn's context ends Lease -
+// margin after that renewal was sent.
+func TestLateRenewalCountsFromItsSending(t *testing.T) {
+	const lease, delay = 300 * time.Millisecond, 150 * time.Millisecond
+	var beats atomic.Int32
+	var renewalSeen time.Time
+	s := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: func(ctx context.Context, op string) error {
+		if op != "heartbeat" {
+			return nil
+		}
+		if beats.Add(1) == 1 {
+			renewalSeen = time.Now()
+			time.Sleep(delay) // applied, and so confirmed, late
+			return nil
+		}
+		return hang(t, ctx, false)
+	}}
+	var doneAt time.Time
+	_, err := New(s, Options{Lease: lease}).Do(context.Background(), Key{Name: "k"}, FingerprintOf("op", nil),
+		func(ctx context.Context) (Response, error) {
+			select {
+			case <-ctx.Done():
+				doneAt = time.Now()
+			case <-time.After(10 * time.Second):
+			}
+			return Response{}, context.Cause(ctx)
+		})
+	require.ErrorIs(t, err, ErrFenced)
+	end := renewalSeen.Add(lease - leaseMargin(lease))
+	assert.False(t, doneAt.After(end.Add(leaseMargin(lease))),
+		"fn's context ended %v after the lease of the late renewal, counted from its sending", doneAt.Sub(end))
+	assert.True(t, doneAt.After(renewalSeen.Add(lease-leaseMargin(lease)-leaseMargin(lease))),
+		"the late renewal did not extend the lease")
+}
+
+// A renewal that the store refuses while the operation's outcome waits to
+// go out on its connection: nothing is stored, and Do reports ErrFenced.
+func TestRenewalRefusedWhileSettling(t *testing.T) {
+	const lease = 300 * time.Millisecond
+	entered := make(chan struct{})
+	var once sync.Once
+	var completes atomic.Int32
+	s := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: func(_ context.Context, op string) error {
+		switch op {
+		case "heartbeat":
+			once.Do(func() { close(entered) })
+			time.Sleep(leaseMargin(lease) / 3) // well within the wait for a sound connection
+			return ErrFenced
+		case "complete":
+			completes.Add(1)
+		}
+		return nil
+	}}
+	_, err := New(s, Options{Lease: lease}).Do(context.Background(), Key{Name: "k"}, FingerprintOf("op", nil),
+		func(context.Context) (Response, error) {
+			<-entered
+			return Response{Status: 201}, nil
+		})
+	assert.ErrorIs(t, err, ErrFenced, "Do did not wait for the renewal in flight")
+	assert.Zero(t, completes.Load(), "an outcome was stored although the renewal was refused")
+}
+
+// An owner that gives an abandoned record up (its recovery hook could not
+// tell what happened) while a renewal is still on its way: the renewal must
+// not land after the give-up and take the record back for a lease.
+func TestGiveUpOutlastsRenewalInFlight(t *testing.T) {
+	const lease = 300 * time.Millisecond
+	mem := NewMemoryStore(MemoryOptions{})
+	k, fp := Key{Name: "k"}, FingerprintOf("op", nil)
+	ctx := context.Background()
+	_, err := mem.Claim(ctx, ClaimRequest{Key: k, Fingerprint: fp, OperationID: "crashed", Lease: time.Millisecond, Retention: time.Hour})
+	require.NoError(t, err)
+	time.Sleep(5 * time.Millisecond)
+
+	renewing := make(chan struct{})
+	var beats atomic.Int32
+	s := &faultStore{Store: mem, hook: func(_ context.Context, op string) error {
+		if op == "heartbeat" && beats.Add(1) == 1 {
+			close(renewing)
+			time.Sleep(60 * time.Millisecond) // on a slow link, then applied
+		}
+		return nil
+	}}
+	g := New(s, Options{Lease: lease, Recover: func(ctx context.Context) (Response, error) {
+		<-renewing
+		return Response{}, ErrUnknown
+	}})
+	_, err = g.Do(ctx, k, fp, func(context.Context) (Response, error) {
+		t.Error("ran an operation whose recovery could not tell")
+		return Response{}, nil
+	})
+	require.ErrorIs(t, err, ErrInFlight)
+	time.Sleep(100 * time.Millisecond) // past the renewal's landing
+	c, err := mem.Claim(ctx, ClaimRequest{Key: k, Fingerprint: fp, OperationID: "next", Lease: lease, Retention: time.Hour})
+	require.NoError(t, err)
+	assert.Equal(t, Owner, c.State, "the record was taken back by a renewal after the give-up")
+	assert.True(t, c.Abandoned, "the record given up is no longer abandoned")
+}
+
+// A MigratingStore's own clean-up calls keep a deadline: a claim whose old
+// store fails while the new store no longer answers returns within a lease.
+func TestMigratingClaimUndoHasADeadline(t *testing.T) {
+	const lease = 200 * time.Millisecond
+	old := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: failOn(unavailable("claim", errInjected), "claim")}
+	new := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: func(ctx context.Context, op string) error {
+		if op == "release" {
+			return hang(t, ctx, false)
+		}
+		return nil
+	}}
+	g := New(NewMigratingStore(old, new, MigrationOptions{}), Options{Lease: lease})
+	start := time.Now()
+	_, err := g.Do(context.Background(), Key{Name: "k"}, FingerprintOf("op", nil), func(context.Context) (Response, error) {
+		t.Error("ran although the old store could not be asked")
+		return Response{}, nil
+	})
+	assert.ErrorIs(t, err, ErrUnavailable)
+	assert.Less(t, time.Since(start), 2*lease, "the claim's clean-up had no deadline")
+}
+
+// SetDisposition refuses what is not a disposition, so that no operation
+// can leave its record neither settled nor renewed.
+func TestSetDispositionRefusesUnknown(t *testing.T) {
+	g := New(NewMemoryStore(MemoryOptions{}), Options{})
+	res, err := g.Do(context.Background(), Key{Name: "k"}, FingerprintOf("op", nil), func(ctx context.Context) (Response, error) {
+		assert.False(t, SetDisposition(ctx, Disposition(7)), "SetDisposition(7)")
+		assert.False(t, SetDisposition(ctx, abandon), "SetDisposition(abandon)")
+		return Response{Status: 201}, nil
+	})
+	require.NoError(t, err)
+	assert.Equal(t, Keep, res.Disposition)
+}
+
+// A handler whose response is settled early, before it streams, stays bound
+// by the lease: when the early settlement fails, or gives the record up
+// (a large 5xx releases it), its context ends, with no wait for the handler.
+func TestEarlySettlementEndsTheHandlersLease(t *testing.T) {
+	const lease = 600 * time.Millisecond
+	for _, c := range []struct {
+		name   string
+		status int
+		hook   func(ctx context.Context, op string) error
+	}{
+		{"completion unconfirmed", http.StatusCreated, func(ctx context.Context, op string) error {
+			if op == "complete" {
+				return hang(t, ctx, true)
+			}
+			return nil
+		}},
+		{"record released", http.StatusBadGateway, func(context.Context, string) error { return nil }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: c.hook}
+			done := make(chan error, 1)
+			h := New(s, Options{Lease: lease}).Middleware(MiddlewareOptions{MaxResponseBytes: 4})(
+				http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					w.WriteHeader(c.status)
+					_, _ = io.WriteString(w, "more than four bytes")
+					select {
+					case <-r.Context().Done():
+						done <- context.Cause(r.Context())
+					case <-time.After(10 * time.Second):
+						done <- nil
+					}
+				}))
+			start := time.Now()
+			go h.ServeHTTP(httptest.NewRecorder(), keyed("early", "{}"))
+			cause := <-done
+			require.Error(t, cause, "the handler's context outlived its hold on the record")
+			assert.Less(t, time.Since(start), lease, "the handler's context ended after the lease")
+		})
+	}
+}
+
+// FailOpen never runs a handler unguarded on a claim the store took but
+// confirmed too late to act on: the record exists, and may be another
+// attempt's abandoned one.
+func TestFailOpenRefusesLateClaim(t *testing.T) {
+	const lease = 100 * time.Millisecond
+	s := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: func(_ context.Context, op string) error {
+		if op == "claim" {
+			time.Sleep(lease)
+		}
+		return nil
+	}}
+	ran := false
+	h := New(s, Options{Lease: lease}).Middleware(MiddlewareOptions{FailOpen: true})(
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { ran = true }))
+	rr := httptest.NewRecorder()
+	h.ServeHTTP(rr, keyed("late", "{}"))
+	assert.False(t, ran, "FailOpen ran the handler on a late claim")
+	assert.Equal(t, http.StatusServiceUnavailable, rr.Code)
 }

@@ -328,10 +328,12 @@ func (h *guarded) serve(w http.ResponseWriter, r *http.Request, k Key, fp Finger
 		_, _ = w.Write(res.Response.Body)
 	case rec == nil:
 		// The handler never ran. Only then may FailOpen run it; never when
-		// the record is known to be in flight elsewhere, nor when the
-		// client has gone, for then the store's failure may be the
-		// cancelled request's doing.
-		if h.o.FailOpen && errors.Is(err, ErrUnavailable) && !errors.Is(err, ErrInFlight) && r.Context().Err() == nil {
+		// the record is known to be in flight elsewhere or was claimed by
+		// this request too late to act on, nor when the client has gone,
+		// for then the store's failure may be the cancelled request's
+		// doing.
+		if h.o.FailOpen && errors.Is(err, ErrUnavailable) && !errors.Is(err, ErrInFlight) && !errors.Is(err, errLateClaim) &&
+			r.Context().Err() == nil {
 			h.next.ServeHTTP(w, withBody(r.Context(), r, body))
 			return
 		}

@@ -37,9 +37,10 @@ var (
 	// within the wait timeout, or too many requests already wait. Nothing ran;
 	// the client should retry later with the same key.
 	ErrInFlight = errors.New("idempotency: original request still in flight")
-	// ErrFenced: the caller is no longer the record's owner (its lease ran out
-	// and another attempt took over, or the record was settled). The change it
-	// asked for was refused and nothing was written.
+	// ErrFenced: the caller is no longer the record's owner: its lease ended
+	// (it ran out on this process's clock, or the store refused a renewal
+	// because another attempt took over or the record was settled). The
+	// change it asked for was not made.
 	ErrFenced = errors.New("idempotency: fenced off: no longer the owner")
 	// ErrUnavailable: the store could not be reached or failed. Whether the
 	// operation ran is decided by the record, never by guessing: a retry finds
@@ -227,8 +228,9 @@ type Result struct {
 // from when it applied that call, so no other attempt can own the record
 // while fn's context is live. Cancelled because the caller went away, the
 // context has the caller's cause instead (context.Canceled for a client gone
-// from net/http). The outcome of an attempt whose lease ended is never
-// stored, and Do returns ErrFenced.
+// from net/http). If the lease ends before fn returns, the Guard stores
+// nothing and Do returns ErrFenced (an operation that stored its outcome
+// itself, see Settled, may still have committed it).
 //
 // Do returns when fn has returned and the record is settled: it waits for a
 // renewal in progress as long as a sound connection would take (twice the
@@ -389,11 +391,12 @@ func DownstreamKey(ctx context.Context, name string) string {
 
 // SetDisposition chooses what becomes of the record when the operation in
 // ctx returns without an error, overriding the default (Keep for Guard.Do,
-// the status policy for the middleware). It reports false when ctx carries
-// no operation.
+// the status policy for the middleware). It reports false, and changes
+// nothing, when ctx carries no operation or d is not Keep, Release, Forget
+// or Settled.
 func SetDisposition(ctx context.Context, d Disposition) bool {
 	i, ok := FromContext(ctx)
-	if !ok {
+	if !ok || d < Keep || d > Settled {
 		return false
 	}
 	i.mu.Lock()

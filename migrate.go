@@ -58,8 +58,9 @@ func (m *MigratingStore) Claim(ctx context.Context, req ClaimRequest) (Claim, er
 	// left in the new store half-way through an earlier step.
 	fresh := c.Attempt == 1 && c.OperationID == req.OperationID
 	// Whatever this claim ends with, the record it took in the new store
-	// must not stay taken: undo even when ctx is done.
-	undo := context.WithoutCancel(ctx)
+	// must not stay taken: undo even when ctx is done, within a lease.
+	undo, cancel := context.WithTimeout(context.WithoutCancel(ctx), req.Lease)
+	defer cancel()
 	giveBack := func() error { return m.new.Release(undo, req.Key, c.Token, fresh) }
 	asOld := req
 	asOld.OperationID = c.OperationID

@@ -9,10 +9,10 @@ import (
 )
 
 // leaseMargin is how much sooner than the store an owner ends its own lease:
-// a twentieth of the lease, at least 10ms (timer lateness on a busy machine,
-// the store's millisecond clock), and at most a quarter of the lease, so
-// that a short lease still leaves time to renew. It also covers a store
-// clock that runs up to 5% faster than the owner's.
+// a twentieth of the lease, at least 10ms, and at most a quarter of the
+// lease, so that a short lease still leaves time to renew. It covers a timer
+// that fires late on a busy machine, the store's millisecond clock, and the
+// difference in rate between the owner's clock and the store's.
 func leaseMargin(lease time.Duration) time.Duration {
 	return min(max(lease/20, 10*time.Millisecond), lease/4)
 }
@@ -65,19 +65,12 @@ func (g *Guard) own(ctx context.Context, k Key, c Claim, sent time.Time) (*owner
 	now := time.Now()
 	o := &owner{g: g, k: k, c: c, deadline: sent.Add(lease - leaseMargin(lease)), next: sent.Add(lease / 3), rtt: now.Sub(sent)}
 	if !now.Before(o.deadline) {
-		d := Release
-		switch {
-		case c.Abandoned:
-			d = abandon // the next owner must still learn that an attempt may have acted
-		case c.Attempt == 1:
-			d = Forget // the record is this claim's own
-		}
 		// Not waited for: it only spares the next claim the wait for the
 		// lease, and the token keeps it harmless whenever it lands.
 		go func() {
 			bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), lease)
 			defer cancel()
-			_ = g.apply(bctx, k, c.Token, Response{}, d)
+			_ = g.apply(bctx, k, c.Token, Response{}, untouched(c))
 		}()
 		return nil, fmt.Errorf("%w: %w, %v after it was sent", ErrUnavailable, errLateClaim, now.Sub(sent).Round(time.Millisecond))
 	}
@@ -88,10 +81,31 @@ func (g *Guard) own(ctx context.Context, k Key, c Claim, sent time.Time) (*owner
 	return o, nil
 }
 
+// untouched is how an owner that acted on nothing gives the record back as
+// it found it: a record its own claim made is forgotten, one whose previous
+// attempt was abandoned stays abandoned (the next owner must still learn
+// that an attempt may have acted), and any other is released.
+func untouched(c Claim) Disposition {
+	switch {
+	case c.Abandoned:
+		return abandon
+	case c.Attempt == 1:
+		return Forget
+	}
+	return Release
+}
+
+// close ends the owner, whatever became of the record: no renewal is sent
+// any more and the operation's context is done.
+func (o *owner) close() {
+	o.end()
+	o.cancel(nil)
+}
+
 // run runs fn as the owner and settles the record with its outcome. An
 // abandoned record goes to Options.Recover first.
 func (o *owner) run(fn func(ctx context.Context) (Response, error)) (Result, error) {
-	defer o.cancel(nil)
+	defer o.close()
 	if o.c.Abandoned && o.g.opts.Recover != nil {
 		resp, d, err := o.recover()
 		switch {
@@ -101,7 +115,10 @@ func (o *owner) run(fn func(ctx context.Context) (Response, error)) (Result, err
 			return Result{Response: resp, Replayed: true, Disposition: d, OperationID: o.c.OperationID}, nil
 		}
 		// The hook found that the operation never happened: run it now,
-		// still under the same lease.
+		// still under the same lease, unless the hook outlasted it.
+		if err := o.lostErr(); err != nil {
+			return Result{}, err
+		}
 	}
 	resp, d, err := o.call(fn, Release, true)
 	if err != nil {
@@ -177,7 +194,8 @@ func (o *owner) call(f func(ctx context.Context) (Response, error), onPanic Disp
 // without waiting for it: the outcome may or may not be stored, and a retry
 // finds out which.
 func (o *owner) settle(resp Response, d Disposition) error {
-	o.awaitRenewal()
+	// A renewal that lands after the record was given up would take it back.
+	o.awaitRenewal(d == abandon)
 	deadline, lost := o.end()
 	if d == Settled {
 		return nil
@@ -189,12 +207,21 @@ func (o *owner) settle(resp Response, d Disposition) error {
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- o.g.apply(ctx, o.k, o.c.Token, resp, d) }()
+	var err error
 	select {
-	case err := <-done:
-		return err
+	case err = <-done:
 	case <-ctx.Done():
-		return fmt.Errorf("%w: the store did not confirm the outcome before the lease ran out: %w", ErrUnavailable, ctx.Err())
+		err = fmt.Errorf("%w: the store did not confirm the outcome before the lease ran out: %w", ErrUnavailable, ctx.Err())
 	}
+	switch {
+	case err != nil:
+		o.cancel(err)
+	case d != Keep:
+		// The record is free for another owner while an operation that
+		// settled early may still run: its context ends now.
+		o.cancel(fmt.Errorf("%w: the record was given up (%v)", ErrFenced, d))
+	}
+	return err
 }
 
 // awaitRenewal sends no more renewals and waits for the one in flight, if
@@ -203,12 +230,16 @@ func (o *owner) settle(resp Response, d Disposition) error {
 // confirmed renewal leaves the outcome more time). It waits as long as a
 // sound connection would take, twice the last confirmed round trip plus the
 // margin, and never past the lease's local end: a renewal slower than that
-// is taken for one stuck on its connection.
-func (o *owner) awaitRenewal() {
+// is taken for one stuck on its connection. With full, it waits until that
+// end.
+func (o *owner) awaitRenewal(full bool) {
 	o.mu.Lock()
 	o.settling = true
 	renewing := o.renewing
-	left := min(time.Until(o.renewed.Add(2*o.rtt+leaseMargin(o.g.opts.Lease))), time.Until(o.deadline))
+	left := time.Until(o.deadline)
+	if !full {
+		left = min(left, time.Until(o.renewed.Add(2*o.rtt+leaseMargin(o.g.opts.Lease))))
+	}
 	o.mu.Unlock()
 	if renewing == nil || left <= 0 {
 		return
@@ -231,7 +262,7 @@ func (g *Guard) apply(ctx context.Context, k Key, token uint64, resp Response, d
 	case abandon:
 		return g.store.Heartbeat(ctx, k, token, 0)
 	}
-	return nil
+	return fmt.Errorf("idempotency: no store call settles %v", d)
 }
 
 // end ends the lease for settling: from now on renewals neither extend nor
@@ -240,7 +271,7 @@ func (g *Guard) apply(ctx context.Context, k Key, token uint64, resp Response, d
 func (o *owner) end() (deadline time.Time, lost error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if !o.ended && !time.Now().Before(o.deadline) {
+	if o.lost == nil && !time.Now().Before(o.deadline) {
 		o.loseLocked(o.expired())
 	}
 	o.settling, o.ended = true, true
@@ -316,6 +347,13 @@ func (o *owner) renew(sent, deadline time.Time) {
 		o.failed = err
 	}
 	o.armLocked(time.Now())
+}
+
+// lostErr returns why the lease was lost, or nil.
+func (o *owner) lostErr() error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.lost
 }
 
 // expired is the cause of a lease that ran out locally. o.mu is held.

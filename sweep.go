@@ -59,15 +59,11 @@ func (g *Guard) sweepOne(ctx context.Context, k Key, c Claim, sent time.Time) (b
 	if err != nil {
 		return false, err
 	}
-	defer o.cancel(nil)
+	defer o.close()
 	if !c.Abandoned {
 		// Released, or expired and so made anew by this very claim:
 		// nothing to recover. Give it back as it was.
-		d := Release
-		if c.Attempt == 1 {
-			d = Forget
-		}
-		return false, o.settle(Response{}, d)
+		return false, o.settle(Response{}, untouched(c))
 	}
 	_, d, err := o.recover()
 	if err != nil {

@@ -130,8 +130,9 @@ func (e *env) silentOwner(forever, renewed bool) {
 	}
 	silent.silence()
 
-	// B tries every 20ms; the store's clock must move for a store whose
-	// clock the harness moves, and only once A has stopped.
+	// B tries every 20ms. On a store whose clock the harness moves, the
+	// store's lease cannot run out while A runs, so B is tried only once A
+	// has stopped and the clock is moved: there the case checks A's timing.
 	var bStarted time.Time
 	bWant := idempotency.Response{Status: http.StatusCreated, Body: []byte("B")}
 	tryB := func() bool {

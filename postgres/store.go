@@ -256,8 +256,8 @@ func (s *Store) Complete(ctx context.Context, k idempotency.Key, token uint64, r
 // (the one Guard.Do gives fn): pgx sends no COMMIT on a context that is
 // done, so a transaction still open when the owner's lease ends locally
 // rolls back instead of committing. The owner's renewals wait on the row
-// lock meanwhile, so commit promptly: a transaction held open for a lease
-// after CompleteTx is one the lease ends.
+// lock meanwhile, so commit promptly: a transaction held open after
+// CompleteTx for about two thirds of the lease can outlast it.
 func (s *Store) CompleteTx(ctx context.Context, tx pgx.Tx, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
 	return s.complete(ctx, tx, s.completeTxSQL, k, token, resp, retention)
 }
