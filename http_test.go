@@ -69,11 +69,25 @@ func (f *faultStore) Complete(ctx context.Context, k Key, token uint64, resp Res
 	return f.Store.Complete(ctx, k, token, resp, retention)
 }
 
-func (f *faultStore) Release(ctx context.Context, k Key, token uint64, forget bool) error {
+func (f *faultStore) Release(ctx context.Context, k Key, token uint64) error {
 	if err := f.hook(ctx, "release"); err != nil {
 		return err
 	}
-	return f.Store.Release(ctx, k, token, forget)
+	return f.Store.Release(ctx, k, token)
+}
+
+func (f *faultStore) Forget(ctx context.Context, k Key, token uint64) error {
+	if err := f.hook(ctx, "forget"); err != nil {
+		return err
+	}
+	return f.Store.Forget(ctx, k, token)
+}
+
+func (f *faultStore) Abandon(ctx context.Context, k Key, token uint64) error {
+	if err := f.hook(ctx, "abandon"); err != nil {
+		return err
+	}
+	return f.Store.Abandon(ctx, k, token)
 }
 
 func (f *faultStore) Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error {

@@ -113,7 +113,17 @@ func (s *MemoryStore) Complete(_ context.Context, k Key, token uint64, resp Resp
 }
 
 // Release implements Store.
-func (s *MemoryStore) Release(_ context.Context, k Key, token uint64, forget bool) error {
+func (s *MemoryStore) Release(_ context.Context, k Key, token uint64) error {
+	return s.end(k, token, false)
+}
+
+// Forget implements Store.
+func (s *MemoryStore) Forget(_ context.Context, k Key, token uint64) error {
+	return s.end(k, token, true)
+}
+
+// end releases or, with forget, deletes the record owned by token.
+func (s *MemoryStore) end(k Key, token uint64, forget bool) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	r, err := s.owned(k, token, s.opts.Now())
@@ -131,6 +141,16 @@ func (s *MemoryStore) Release(_ context.Context, k Key, token uint64, forget boo
 
 // Heartbeat implements Store.
 func (s *MemoryStore) Heartbeat(_ context.Context, k Key, token uint64, lease time.Duration) error {
+	return s.renew(k, token, lease)
+}
+
+// Abandon implements Store: the lease ends now.
+func (s *MemoryStore) Abandon(_ context.Context, k Key, token uint64) error {
+	return s.renew(k, token, 0)
+}
+
+// renew sets the lease of the record owned by token to end lease from now.
+func (s *MemoryStore) renew(k Key, token uint64, lease time.Duration) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.opts.Now()

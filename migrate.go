@@ -61,7 +61,7 @@ func (m *MigratingStore) Claim(ctx context.Context, req ClaimRequest) (Claim, er
 	// must not stay taken: undo even when ctx is done, within a lease.
 	undo, cancel := context.WithTimeout(context.WithoutCancel(ctx), req.Lease)
 	defer cancel()
-	giveBack := func() error { return m.new.Release(undo, req.Key, c.Token, fresh) }
+	giveBack := func() error { return untake(undo, m.new, req.Key, c.Token, fresh) }
 	asOld := req
 	asOld.OperationID = c.OperationID
 	o, err := m.old.Claim(ctx, asOld)
@@ -81,13 +81,13 @@ func (m *MigratingStore) Claim(ctx context.Context, req ClaimRequest) (Claim, er
 	case o.OperationID != c.OperationID:
 		// The old store's attempt was released or abandoned: carry its
 		// operation ID over, so that its downstream keys stay the same.
-		if err := m.new.Release(undo, req.Key, c.Token, true); err != nil {
-			return Claim{}, errors.Join(err, m.old.Release(undo, req.Key, o.Token, false))
+		if err := m.new.Forget(undo, req.Key, c.Token); err != nil {
+			return Claim{}, errors.Join(err, m.old.Release(undo, req.Key, o.Token))
 		}
 		moved := req
 		moved.OperationID = o.OperationID
 		if c, err = m.new.Claim(ctx, moved); err != nil || c.State != Owner {
-			return c, errors.Join(err, m.old.Release(undo, req.Key, o.Token, false))
+			return c, errors.Join(err, m.old.Release(undo, req.Key, o.Token))
 		}
 	}
 	if o.Attempt > c.Attempt {
@@ -99,7 +99,16 @@ func (m *MigratingStore) Claim(ctx context.Context, req ClaimRequest) (Claim, er
 		return c, nil
 	}
 	// Leave the old store as it was: without the record, or released.
-	return c, m.old.Release(undo, req.Key, o.Token, o.Attempt == 1)
+	return c, untake(undo, m.old, req.Key, o.Token, o.Attempt == 1)
+}
+
+// untake gives back a record that a claim took only to look at it: a record
+// the claim made is forgotten, any other released.
+func untake(ctx context.Context, s Store, k Key, token uint64, made bool) error {
+	if made {
+		return s.Forget(ctx, k, token)
+	}
+	return s.Release(ctx, k, token)
 }
 
 func (m *MigratingStore) remember(k Key, token, old uint64) {
@@ -132,12 +141,28 @@ func (m *MigratingStore) Complete(ctx context.Context, k Key, token uint64, resp
 }
 
 // Release implements Store.
-func (m *MigratingStore) Release(ctx context.Context, k Key, token uint64, forget bool) error {
-	if err := m.new.Release(ctx, k, token, forget); err != nil {
+func (m *MigratingStore) Release(ctx context.Context, k Key, token uint64) error {
+	return m.settle(ctx, k, token, Store.Release)
+}
+
+// Forget implements Store.
+func (m *MigratingStore) Forget(ctx context.Context, k Key, token uint64) error {
+	return m.settle(ctx, k, token, Store.Forget)
+}
+
+// Abandon implements Store.
+func (m *MigratingStore) Abandon(ctx context.Context, k Key, token uint64) error {
+	return m.settle(ctx, k, token, Store.Abandon)
+}
+
+// settle makes an owner's last call in the new store, then in the old one
+// when the owner holds the record there too.
+func (m *MigratingStore) settle(ctx context.Context, k Key, token uint64, call func(Store, context.Context, Key, uint64) error) error {
+	if err := call(m.new, ctx, k, token); err != nil {
 		return err
 	}
 	if old, ok := m.oldToken(k, token, true); ok {
-		return m.old.Release(ctx, k, old, forget)
+		return call(m.old, ctx, k, old)
 	}
 	return nil
 }

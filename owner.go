@@ -257,10 +257,12 @@ func (g *Guard) apply(ctx context.Context, k Key, token uint64, resp Response, d
 	switch d {
 	case Keep:
 		return g.store.Complete(ctx, k, token, resp, g.opts.Retention)
-	case Release, Forget:
-		return g.store.Release(ctx, k, token, d == Forget)
+	case Release:
+		return g.store.Release(ctx, k, token)
+	case Forget:
+		return g.store.Forget(ctx, k, token)
 	case abandon:
-		return g.store.Heartbeat(ctx, k, token, 0)
+		return g.store.Abandon(ctx, k, token)
 	}
 	return fmt.Errorf("idempotency: no store call settles %v", d)
 }

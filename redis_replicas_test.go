@@ -86,11 +86,11 @@ func TestRedisReplicas(t *testing.T) {
 		{"New", func(Key) {}, Claim{State: Owner, Attempt: 1}},
 		{"Released", func(k Key) {
 			c := ownFor(t, plain, k, fp)
-			require.NoError(t, plain.Release(ctx, k, c.Token, false))
+			require.NoError(t, plain.Release(ctx, k, c.Token))
 		}, Claim{State: Owner, Attempt: 3}},
 		{"Abandoned", func(k Key) {
 			c := ownFor(t, plain, k, fp)
-			require.NoError(t, plain.Heartbeat(ctx, k, c.Token, 0))
+			require.NoError(t, plain.Abandon(ctx, k, c.Token))
 		}, Claim{State: Owner, Attempt: 3, Abandoned: true}},
 	} {
 		t.Run("Unconfirmed"+tc.name, func(t *testing.T) {

@@ -310,11 +310,15 @@ func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error)
 // (see Claim). Should it fail, the lease runs out instead.
 func (s *RedisStore) giveUp(ctx context.Context, k Key, c Claim) {
 	if c.Abandoned {
-		_ = s.Heartbeat(ctx, k, c.Token, 0)
+		_ = s.Abandon(ctx, k, c.Token)
 		return
 	}
 	// Not Release: its wait for replicas would fail as the claim's did.
-	_ = s.release.run(ctx, s.c, s.releaseArgs(k, c.Token, c.Attempt == 1))
+	forget := "0"
+	if c.Attempt == 1 {
+		forget = "1"
+	}
+	_ = s.release.run(ctx, s.c, s.releaseArgs(k, c.Token, forget))
 }
 
 // eval runs sc with args (made by sc.args), which name one record, through
@@ -478,18 +482,22 @@ func (s *RedisStore) Complete(ctx context.Context, k Key, token uint64, resp Res
 // Release implements Store. With RedisOptions.Replicas set, a release not
 // confirmed by as many replicas returns ErrUnavailable, though the master
 // keeps it.
-func (s *RedisStore) Release(ctx context.Context, k Key, token uint64, forget bool) error {
-	cmd, unconfirmed := s.eval(ctx, s.release, s.releaseArgs(k, token, forget), nil)
+func (s *RedisStore) Release(ctx context.Context, k Key, token uint64) error {
+	cmd, unconfirmed := s.eval(ctx, s.release, s.releaseArgs(k, token, "0"), nil)
 	return settled("release", cmd, unconfirmed)
 }
 
-func (s *RedisStore) releaseArgs(k Key, token uint64, forget bool) []any {
+// Forget implements Store, as Release does.
+func (s *RedisStore) Forget(ctx context.Context, k Key, token uint64) error {
+	cmd, unconfirmed := s.eval(ctx, s.release, s.releaseArgs(k, token, "1"), nil)
+	return settled("forget", cmd, unconfirmed)
+}
+
+// releaseArgs runs release.lua for the owner of token; forget is "1" to
+// delete the record, "0" to release it.
+func (s *RedisStore) releaseArgs(k Key, token uint64, forget string) []any {
 	rec, bk := s.recordKey(k)
-	f := "0"
-	if forget {
-		f = "1"
-	}
-	return append(s.release.args("2", 5), rec, bk.leases, strconv.FormatUint(token, 10), f, s.publish)
+	return append(s.release.args("2", 5), rec, bk.leases, strconv.FormatUint(token, 10), forget, s.publish)
 }
 
 // settled is the outcome of a settling script run by eval.
@@ -505,6 +513,15 @@ func settled(op string, cmd *redis.Cmd, unconfirmed error) error {
 
 // Heartbeat implements Store.
 func (s *RedisStore) Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error {
+	return s.renew(ctx, k, token, lease)
+}
+
+// Abandon implements Store: heartbeat.lua with a lease that ends now.
+func (s *RedisStore) Abandon(ctx context.Context, k Key, token uint64) error {
+	return s.renew(ctx, k, token, 0)
+}
+
+func (s *RedisStore) renew(ctx context.Context, k Key, token uint64, lease time.Duration) error {
 	rec, bk := s.recordKey(k)
 	args := append(s.beat.args("2", 4), rec, bk.leases, strconv.FormatUint(token, 10), lease.Milliseconds())
 	return fenced("heartbeat", s.batch.run(ctx, s.beat, args).cmd.Err())

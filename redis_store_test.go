@@ -369,7 +369,7 @@ func TestRedisClaimRunTwice(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, InFlight, busy.State, "another claim still finds the record in flight")
 
-		require.NoError(t, s.Release(ctx, k, first.Token, false))
+		require.NoError(t, s.Release(ctx, k, first.Token))
 		taker := req
 		taker.OperationID = "op_taker"
 		took, err := s.Claim(ctx, taker)
@@ -407,7 +407,7 @@ func TestRedisCompletedRecordLayout(t *testing.T) {
 		assert.Equal(t, Mismatch, got.State)
 		for _, err := range []error{
 			s.Complete(ctx, k, claim.Token, resp, time.Hour),
-			s.Release(ctx, k, claim.Token, false),
+			s.Release(ctx, k, claim.Token),
 			s.Heartbeat(ctx, k, claim.Token, time.Minute),
 		} {
 			assert.ErrorIs(t, err, ErrFenced)
@@ -433,7 +433,7 @@ func TestRedisRecordOddOperationIDs(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, first, again, "the maker's claim run again")
 
-		require.NoError(t, s.Heartbeat(ctx, k, first.Token, 0))
+		require.NoError(t, s.Abandon(ctx, k, first.Token))
 		req.OperationID = taker
 		took, err := s.Claim(ctx, req)
 		require.NoError(t, err)

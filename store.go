@@ -34,15 +34,20 @@ type Store interface {
 	// ErrFenced and changes nothing.
 	Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error
 	// Release ends the current owner's attempt without an outcome, if token
-	// is the current owner's (ErrFenced otherwise). The next claim takes
-	// over; with forget, the record is deleted instead, so the key is free
-	// for any request.
-	Release(ctx context.Context, k Key, token uint64, forget bool) error
-	// Heartbeat extends the current owner's lease to lease from now, if
-	// token is the current owner's (ErrFenced otherwise). A lease of 0
-	// gives the record up unsettled: it stays in flight, abandoned, and the
-	// next claim takes it over.
+	// is the current owner's (ErrFenced otherwise): the next claim takes
+	// over, with the same operation ID.
+	Release(ctx context.Context, k Key, token uint64) error
+	// Forget deletes the record, if token is the current owner's (ErrFenced
+	// otherwise), so that the key is free for any request.
+	Forget(ctx context.Context, k Key, token uint64) error
+	// Heartbeat extends the current owner's lease to lease (above 0) from
+	// now, if token is the current owner's (ErrFenced otherwise).
 	Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error
+	// Abandon gives the current owner's lease up without settling the
+	// record, if token is the current owner's (ErrFenced otherwise): it
+	// stays in flight, listed by Abandoned, and the next claim takes it
+	// over with Claim.Abandoned set.
+	Abandon(ctx context.Context, k Key, token uint64) error
 	// Abandoned lists up to limit records that are in flight with a lease
 	// that ran out, the longest expired first, so that records no one can
 	// settle yet do not hide the others; limit <= 0 lists none. Its cost

@@ -173,7 +173,7 @@ func TestSweepSettlesWithoutClient(t *testing.T) {
 		require.NoError(t, h.Store.Complete(ctx, idempotency.Key{Name: "done"}, done.Token, idempotency.Response{Status: 200, Body: []byte("done")}, time.Hour))
 		rel, err := h.Store.Claim(ctx, idempotency.ClaimRequest{Key: idempotency.Key{Name: "released"}, Fingerprint: fp, OperationID: "op_released", Lease: time.Hour, Retention: time.Hour})
 		require.NoError(t, err)
-		require.NoError(t, h.Store.Release(ctx, idempotency.Key{Name: "released"}, rel.Token, false))
+		require.NoError(t, h.Store.Release(ctx, idempotency.Key{Name: "released"}, rel.Token))
 
 		var settled atomic.Int32
 		var wg sync.WaitGroup
@@ -276,7 +276,7 @@ func TestFencedOwnerIsCancelled(t *testing.T) {
 			info, _ := idempotency.FromContext(ctx)
 			// The record changes hands under the running owner: its token
 			// is no longer current once the key is forgotten and claimed anew.
-			require.NoError(t, h.Store.Release(context.Background(), k, info.Token, true))
+			require.NoError(t, h.Store.Forget(context.Background(), k, info.Token))
 			_, err := h.Store.Claim(context.Background(), idempotency.ClaimRequest{Key: k, Fingerprint: fp, OperationID: "other", Lease: time.Hour, Retention: time.Hour})
 			require.NoError(t, err)
 			<-ctx.Done()

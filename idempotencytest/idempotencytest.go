@@ -232,8 +232,8 @@ func (e *env) requireReplay(req idempotency.ClaimRequest, opID string, want idem
 }
 
 // requireFenced asserts that every call that changes a record is refused
-// with ErrFenced for token. It tries a forgetting Release last, so that a
-// store that wrongly accepts it shows up in the caller's next assertion.
+// with ErrFenced for token. It tries Forget last, so that a store that
+// wrongly accepts it shows up in the caller's next assertion.
 func (e *env) requireFenced(k idempotency.Key, token uint64, what string) {
 	e.t.Helper()
 	err := e.store.Heartbeat(e.ctx, k, token, longLease)
@@ -241,10 +241,12 @@ func (e *env) requireFenced(k idempotency.Key, token uint64, what string) {
 	stale := idempotency.Response{Status: http.StatusTeapot, Body: []byte("written by a stale owner")}
 	err = e.store.Complete(e.ctx, k, token, stale, longRetention)
 	require.ErrorIs(e.t, err, idempotency.ErrFenced, "%s: Complete with token %d", what, token)
-	err = e.store.Release(e.ctx, k, token, false)
+	err = e.store.Abandon(e.ctx, k, token)
+	require.ErrorIs(e.t, err, idempotency.ErrFenced, "%s: Abandon with token %d", what, token)
+	err = e.store.Release(e.ctx, k, token)
 	require.ErrorIs(e.t, err, idempotency.ErrFenced, "%s: Release with token %d", what, token)
-	err = e.store.Release(e.ctx, k, token, true)
-	require.ErrorIs(e.t, err, idempotency.ErrFenced, "%s: Release(forget) with token %d", what, token)
+	err = e.store.Forget(e.ctx, k, token)
+	require.ErrorIs(e.t, err, idempotency.ErrFenced, "%s: Forget with token %d", what, token)
 }
 
 func (e *env) complete(k idempotency.Key, token uint64, resp idempotency.Response, what string) {
@@ -252,9 +254,14 @@ func (e *env) complete(k idempotency.Key, token uint64, resp idempotency.Respons
 	require.NoError(e.t, e.store.Complete(e.ctx, k, token, resp, longRetention), "%s: Complete", what)
 }
 
-func (e *env) release(k idempotency.Key, token uint64, forget bool, what string) {
+func (e *env) release(k idempotency.Key, token uint64, what string) {
 	e.t.Helper()
-	require.NoError(e.t, e.store.Release(e.ctx, k, token, forget), "%s: Release(forget=%v)", what, forget)
+	require.NoError(e.t, e.store.Release(e.ctx, k, token), "%s: Release", what)
+}
+
+func (e *env) forget(k idempotency.Key, token uint64, what string) {
+	e.t.Helper()
+	require.NoError(e.t, e.store.Forget(e.ctx, k, token), "%s: Forget", what)
 }
 
 func (e *env) subscribe(k idempotency.Key) idempotency.Subscription {
@@ -438,7 +445,7 @@ func fingerprintMismatch(e *env) {
 		k := e.key("mismatch")
 		first := request(k, fp)
 		owner := e.own(first, 1, first.OperationID, "first claim")
-		e.release(k, owner.Token, false, "the owner")
+		e.release(k, owner.Token, "the owner")
 		e.requireState(idempotency.Mismatch, e.claim(request(k, other)), "claim with another fingerprint after release")
 		e.own(request(k, fp), 2, first.OperationID, "claim with the record's fingerprint after the mismatching claim")
 	})
@@ -538,10 +545,10 @@ func releaseThenClaim(e *env) {
 		k, fp := e.key("release"), fingerprint("a")
 		first := request(k, fp)
 		c1 := e.own(first, 1, first.OperationID, "first claim")
-		e.release(k, c1.Token, false, "the first owner")
+		e.release(k, c1.Token, "the first owner")
 		c2 := e.own(request(k, fp), 2, first.OperationID, "claim after release")
 		require.Greater(e.t, c2.Token, c1.Token, "the second owner's token must be greater than the first's")
-		e.release(k, c2.Token, false, "the second owner")
+		e.release(k, c2.Token, "the second owner")
 		reqs := racers(claimers, k, fp)
 		cs := e.claimAll(reqs)
 		c3 := cs[e.requireOneOwner(reqs, cs, "concurrent claims after release")]
@@ -552,7 +559,7 @@ func releaseThenClaim(e *env) {
 		k := e.key("forget")
 		first := request(k, fingerprint("a"))
 		c1 := e.own(first, 1, first.OperationID, "first claim")
-		e.release(k, c1.Token, true, "the first owner")
+		e.forget(k, c1.Token, "the first owner")
 		second := request(k, fingerprint("b"))
 		c2 := e.own(second, 1, second.OperationID, "claim with another fingerprint after release with forget")
 		require.Greater(e.t, c2.Token, c1.Token, "the new record's token must be greater than every earlier token of the key")
@@ -594,7 +601,7 @@ func fencing(e *env) {
 		k := e.key("released")
 		first := request(k, fp)
 		c := e.own(first, 1, first.OperationID, "first claim")
-		e.release(k, c.Token, false, "the owner")
+		e.release(k, c.Token, "the owner")
 		e.requireFenced(k, c.Token, "the owner, after it released")
 		e.own(request(k, fp), 2, first.OperationID, "claim after release")
 	})
@@ -623,7 +630,7 @@ func fencing(e *env) {
 		// number (a Redis Cluster store cannot share one counter across
 		// slots); the other key's next token then differs from k's.
 		if foreign == c.Token {
-			e.release(other, foreign, false, "the other key's owner")
+			e.release(other, foreign, "the other key's owner")
 			foreign = e.own(request(other, fp), 2, otherReq.OperationID, "claim of the other key after release").Token
 		}
 		e.requireFenced(k, foreign, "another key's token")
@@ -743,13 +750,13 @@ func wakeUp(e *env) {
 	})
 	e.run("Release", func(e *env) {
 		first, owner, watch, subs := watched(e, 1)
-		require.NoError(e.t, settle(func() error { return e.store.Release(e.ctx, first.Key, owner.Token, false) }),
+		require.NoError(e.t, settle(func() error { return e.store.Release(e.ctx, first.Key, owner.Token) }),
 			"the owner's Release")
 		e.requireOwner(e.awaitSettled(subs[0], watch, "after Release"), 2, first.OperationID, "the woken waiter")
 	})
 	e.run("Forget", func(e *env) {
 		first, owner, watch, subs := watched(e, 1)
-		require.NoError(e.t, settle(func() error { return e.store.Release(e.ctx, first.Key, owner.Token, true) }),
+		require.NoError(e.t, settle(func() error { return e.store.Forget(e.ctx, first.Key, owner.Token) }),
 			"the owner's Release with forget")
 		e.requireOwner(e.awaitSettled(subs[0], watch, "after Release with forget"), 1, watch.OperationID, "the woken waiter")
 	})
@@ -973,9 +980,9 @@ func abandonedTakeover(e *env) {
 	}
 	expired, _ := short("expired")
 	released, releasedOwner := short("released")
-	e.release(released.Key, releasedOwner.Token, false, "the owner of the record to release")
+	e.release(released.Key, releasedOwner.Token, "the owner of the record to release")
 	forgotten, forgottenOwner := short("forgotten")
-	e.release(forgotten.Key, forgottenOwner.Token, true, "the owner of the record to forget")
+	e.forget(forgotten.Key, forgottenOwner.Token, "the owner of the record to forget")
 	gone := request(e.key("gone"), fp)
 	gone.Lease, gone.Retention = e.lease, e.lease
 	e.own(gone, 1, gone.OperationID, "first claim, with a short lease and retention")
@@ -991,7 +998,7 @@ func abandonedTakeover(e *env) {
 
 	c := e.own(request(expired.Key, fp), 2, expired.OperationID, "claim after the lease ran out")
 	e.requireAbandoned(c, true, "claim after the lease ran out")
-	e.release(expired.Key, c.Token, false, "the owner that took the abandoned record over")
+	e.release(expired.Key, c.Token, "the owner that took the abandoned record over")
 	c = e.own(request(expired.Key, fp), 3, expired.OperationID, "claim after the takeover's release")
 	e.requireAbandoned(c, false, "claim after the takeover's release")
 
@@ -1007,7 +1014,7 @@ func abandonedTakeover(e *env) {
 		what := fmt.Sprintf("race %d: concurrent claims while the late owner releases", i)
 		reqs := racers(claimers/2, r.req.Key, fp)
 		var err error
-		cs := e.claimAll(reqs, func() { err = e.store.Release(e.ctx, r.req.Key, r.owner.Token, false) })
+		cs := e.claimAll(reqs, func() { err = e.store.Release(e.ctx, r.req.Key, r.owner.Token) })
 		if err != nil {
 			require.ErrorIs(e.t, err, idempotency.ErrFenced, "%s: the late owner's Release", what)
 		}
@@ -1019,7 +1026,7 @@ func abandonedTakeover(e *env) {
 	}
 }
 
-// 15. A heartbeat with a lease of 0 gives the record up unsettled: it stays
+// 15. Abandon gives the record up unsettled: it stays
 // in flight, listed as abandoned, and the next claim takes it over at once
 // as an abandoned record, with the same operation ID. The owner that gave it
 // up is fenced from then on, and cannot give up its successor's lease.
@@ -1027,11 +1034,11 @@ func giveUpLease(e *env) {
 	k, fp := e.key("give-up"), fingerprint("a")
 	first := request(k, fp)
 	old := e.own(first, 1, first.OperationID, "first claim")
-	require.ErrorIs(e.t, e.store.Heartbeat(e.ctx, k, old.Token+1, 0), idempotency.ErrFenced,
-		"Heartbeat with a lease of 0 and a token not the owner's")
-	e.requireInFlight(request(k, fp), longLease, "claim after the fenced Heartbeat with a lease of 0")
+	require.ErrorIs(e.t, e.store.Abandon(e.ctx, k, old.Token+1), idempotency.ErrFenced,
+		"Abandon with a token not the owner's")
+	e.requireInFlight(request(k, fp), longLease, "claim after the fenced Abandon")
 
-	require.NoError(e.t, e.store.Heartbeat(e.ctx, k, old.Token, 0), "the owner's Heartbeat with a lease of 0")
+	require.NoError(e.t, e.store.Abandon(e.ctx, k, old.Token), "the owner's Abandon")
 	require.Equal(e.t, map[idempotency.Key]idempotency.Fingerprint{k: fp}, e.listed(k),
 		"Abandoned after the owner gave its lease up")
 	reqs := racers(claimers, k, fp)
@@ -1040,13 +1047,13 @@ func giveUpLease(e *env) {
 	e.requireOwner(c, 2, first.OperationID, "the takeover")
 	e.requireAbandoned(c, true, "the takeover")
 	require.Greater(e.t, c.Token, old.Token, "the takeover's token must be greater than the first owner's")
-	require.ErrorIs(e.t, e.store.Heartbeat(e.ctx, k, old.Token, 0), idempotency.ErrFenced,
-		"the first owner's Heartbeat with a lease of 0, after the takeover")
+	require.ErrorIs(e.t, e.store.Abandon(e.ctx, k, old.Token), idempotency.ErrFenced,
+		"the first owner's Abandon, after the takeover")
 	e.requireFenced(k, old.Token, "the owner that gave its lease up")
 	e.requireInFlight(request(k, fp), longLease, "claim after the first owner was fenced")
 	require.Empty(e.t, e.listed(k), "Abandoned after the takeover")
 
-	require.NoError(e.t, e.store.Heartbeat(e.ctx, k, c.Token, 0), "the second owner's Heartbeat with a lease of 0")
+	require.NoError(e.t, e.store.Abandon(e.ctx, k, c.Token), "the second owner's Abandon")
 	c3 := e.own(request(k, fp), 3, first.OperationID, "claim after the second owner gave its lease up")
 	e.requireAbandoned(c3, true, "claim after the second owner gave its lease up")
 	want := idempotency.Response{Status: http.StatusCreated, Body: []byte("the third owner's")}
@@ -1082,7 +1089,7 @@ func abandonedListing(e *env) {
 	resp := idempotency.Response{Status: http.StatusCreated, Body: []byte("done")}
 	e.complete(done.req.Key, done.owner.Token, resp, "the completed record's owner")
 	released := newRecord("released", e.lease, longRetention)
-	e.release(released.req.Key, released.owner.Token, false, "the released record's owner")
+	e.release(released.req.Key, released.owner.Token, "the released record's owner")
 	kept := slices.Clone(keys)
 	// Made last, so that it is kept a lease's length past the first wait,
 	// and surely not past the second.
@@ -1115,7 +1122,7 @@ func abandonedListing(e *env) {
 	e.requireAbandoned(c, true, "a sweeper's claim of a listed record")
 	// Late owners keep their tokens until taken over.
 	e.complete(abandoned[1].req.Key, abandoned[1].owner.Token, resp, "a late owner")
-	e.release(abandoned[2].req.Key, abandoned[2].owner.Token, false, "a late owner")
+	e.release(abandoned[2].req.Key, abandoned[2].owner.Token, "a late owner")
 	still := map[idempotency.Key]idempotency.Fingerprint{abandoned[3].req.Key: abandoned[3].req.Fingerprint}
 	require.Equal(e.t, still, e.listed(kept...), "records listed after a takeover and two late settlements")
 

@@ -74,8 +74,16 @@ func (s *silentStore) Complete(ctx context.Context, k idempotency.Key, token uin
 	return s.call(ctx, func() error { return s.Store.Complete(ctx, k, token, resp, retention) })
 }
 
-func (s *silentStore) Release(ctx context.Context, k idempotency.Key, token uint64, forget bool) error {
-	return s.call(ctx, func() error { return s.Store.Release(ctx, k, token, forget) })
+func (s *silentStore) Release(ctx context.Context, k idempotency.Key, token uint64) error {
+	return s.call(ctx, func() error { return s.Store.Release(ctx, k, token) })
+}
+
+func (s *silentStore) Forget(ctx context.Context, k idempotency.Key, token uint64) error {
+	return s.call(ctx, func() error { return s.Store.Forget(ctx, k, token) })
+}
+
+func (s *silentStore) Abandon(ctx context.Context, k idempotency.Key, token uint64) error {
+	return s.call(ctx, func() error { return s.Store.Abandon(ctx, k, token) })
 }
 
 func (s *silentStore) Heartbeat(ctx context.Context, k idempotency.Key, token uint64, lease time.Duration) error {

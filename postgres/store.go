@@ -263,18 +263,25 @@ func (s *Store) CompleteTx(ctx context.Context, tx pgx.Tx, k idempotency.Key, to
 }
 
 // Release implements idempotency.Store.
-func (s *Store) Release(ctx context.Context, k idempotency.Key, token uint64, forget bool) error {
-	if forget {
-		return s.fenced(ctx, s.pool, "release", s.forgetSQL, k, token)
-	}
+func (s *Store) Release(ctx context.Context, k idempotency.Key, token uint64) error {
 	return s.fenced(ctx, s.pool, "release", s.releaseSQL, k, token)
 }
 
-// Heartbeat implements idempotency.Store. A lease of 0 sets the lease's end
-// to the database's now(), which no later claim's now() precedes: the next
-// claim takes the record over as abandoned.
+// Forget implements idempotency.Store.
+func (s *Store) Forget(ctx context.Context, k idempotency.Key, token uint64) error {
+	return s.fenced(ctx, s.pool, "forget", s.forgetSQL, k, token)
+}
+
+// Heartbeat implements idempotency.Store.
 func (s *Store) Heartbeat(ctx context.Context, k idempotency.Key, token uint64, lease time.Duration) error {
 	return s.fenced(ctx, s.pool, "heartbeat", s.heartbeatSQL, k, token, lease.Microseconds())
+}
+
+// Abandon implements idempotency.Store: the lease's end becomes the
+// database's now(), which no later claim's now() precedes, so the next claim
+// takes the record over as abandoned.
+func (s *Store) Abandon(ctx context.Context, k idempotency.Key, token uint64) error {
+	return s.fenced(ctx, s.pool, "abandon", s.heartbeatSQL, k, token, int64(0))
 }
 
 // Abandoned implements idempotency.Store, in one statement on the partial

@@ -466,7 +466,7 @@ func testDeleteExpired(t *testing.T, f *fixture) {
 	c = claim(t, s, request(live[1], longLease))
 	require.Equal(t, idempotency.Owner, c.State)
 	c = claim(t, s, request(live[2], longLease))
-	require.NoError(t, s.Release(ctx, key(live[2]), c.Token, false))
+	require.NoError(t, s.Release(ctx, key(live[2]), c.Token))
 
 	// Expiring in each state: retention runs out on the database's clock.
 	// Long enough for the release below to find its record still there.
@@ -479,7 +479,7 @@ func testDeleteExpired(t *testing.T, f *fixture) {
 	c = claim(t, s, request("expired_completed", longLease))
 	require.NoError(t, s.Complete(ctx, key("expired_completed"), c.Token, okResponse, time.Millisecond))
 	c = claim(t, s, brief("expired_released"))
-	require.NoError(t, s.Release(ctx, key("expired_released"), c.Token, false))
+	require.NoError(t, s.Release(ctx, key("expired_released"), c.Token))
 	// More expired rows than one DeleteExpired statement deletes.
 	const bulk = 10005
 	_, err := f.pool.Exec(ctx, `INSERT INTO `+o.Table+` (scope, key, fingerprint, state, attempt, operation_id, lease_until, expires_at)
@@ -600,8 +600,8 @@ func testErrorsAreUnavailable(t *testing.T, f *fixture) {
 	require.ErrorIs(t, err, idempotency.ErrUnavailable)
 	for name, err := range map[string]error{
 		"complete":  s.Complete(ctx, key("k"), 1, okResponse, longRetention),
-		"release":   s.Release(ctx, key("k"), 1, false),
-		"forget":    s.Release(ctx, key("k"), 1, true),
+		"release":   s.Release(ctx, key("k"), 1),
+		"forget":    s.Forget(ctx, key("k"), 1),
 		"heartbeat": s.Heartbeat(ctx, key("k"), 1, longLease),
 		"migrate":   s.Migrate(ctx),
 	} {
@@ -665,7 +665,7 @@ func testTakeoverWaitsOutRelease(t *testing.T, f *fixture) {
 	ctx := t.Context()
 	req := request("pay", longLease)
 	owner := claim(t, s, req)
-	require.NoError(t, s.Heartbeat(ctx, req.Key, owner.Token, 0), "giving the lease up")
+	require.NoError(t, s.Abandon(ctx, req.Key, owner.Token), "giving the lease up")
 
 	tx, err := f.pool.Begin(ctx)
 	require.NoError(t, err)

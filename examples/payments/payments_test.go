@@ -673,7 +673,11 @@ func (crashedOwner) Complete(context.Context, idempotency.Key, uint64, idempoten
 	return nil
 }
 
-func (crashedOwner) Release(context.Context, idempotency.Key, uint64, bool) error { return nil }
+func (crashedOwner) Release(context.Context, idempotency.Key, uint64) error { return nil }
+
+func (crashedOwner) Forget(context.Context, idempotency.Key, uint64) error { return nil }
+
+func (crashedOwner) Abandon(context.Context, idempotency.Key, uint64) error { return nil }
 
 // An operation abandoned before it reached the gateway: the recovery hook
 // finds no charge under its downstream key and releases the record, so the
