@@ -16,7 +16,7 @@ import (
 // silenceLease is the lease of the owner whose store falls silent: long
 // enough for a renewal or two on a busy machine, short enough for the case
 // to run in real time, as the owner's timer does whatever the store's clock.
-const silenceLease = 300 * time.Millisecond
+const silenceLease = 600 * time.Millisecond
 
 // returnBound is how soon after its operation ends, with the lease lost, Do
 // must return: it makes no store call then, so this is scheduling slack.
