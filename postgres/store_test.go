@@ -244,31 +244,14 @@ func testGuardWithCompleteTx(t *testing.T, f *fixture) {
 	k, print := key("guarded"), fp("guarded")
 	var runs atomic.Int32
 	failFirst := true
-	fn := func(ctx context.Context) (idempotency.Response, error) {
+	fn := chargeInTx(f, s, table, k, func(context.Context) error {
 		runs.Add(1)
-		info, _ := idempotency.FromContext(ctx)
-		tx, err := f.pool.Begin(ctx)
-		if err != nil {
-			return idempotency.Response{}, err
-		}
-		defer tx.Rollback(context.Background())
-		if _, err := tx.Exec(ctx, "INSERT INTO "+table+" (operation_id, amount) VALUES ($1, 100)", info.OperationID); err != nil {
-			return idempotency.Response{}, err
-		}
 		if failFirst {
 			failFirst = false
-			return idempotency.Response{}, errors.New("the business transaction failed")
+			return errors.New("the business transaction failed")
 		}
-		resp := idempotency.Response{Status: 201, Body: []byte(info.OperationID)}
-		if err := s.CompleteTx(ctx, tx, k, info.Token, resp, longRetention); err != nil {
-			return idempotency.Response{}, err
-		}
-		if err := tx.Commit(ctx); err != nil {
-			return idempotency.Response{}, err
-		}
-		idempotency.SetDisposition(ctx, idempotency.Settled)
-		return resp, nil
-	}
+		return nil
+	})
 	_, err := g.Do(t.Context(), k, print, fn)
 	require.ErrorContains(t, err, "business transaction failed")
 	assert.Zero(t, count(t, f, table), "the failed attempt wrote nothing")
@@ -310,20 +293,21 @@ func testCompleteTxOutlivesLease(t *testing.T, f *fixture) {
 	g := idempotency.New(s, idempotency.Options{Lease: lease, Retention: longRetention, WaitTimeout: -1})
 	k, print := key("long-tx"), fp("long-tx")
 	var held time.Duration
-	_, err := g.Do(t.Context(), k, print, chargeInTx(f, s, table, k, func(ctx context.Context) {
+	_, err := g.Do(t.Context(), k, print, chargeInTx(f, s, table, k, func(ctx context.Context) error {
 		began := time.Now()
 		select {
 		case <-ctx.Done():
 		case <-time.After(wakeTimeout):
 		}
 		held = time.Since(began)
+		return nil
 	}))
 	require.ErrorIs(t, err, idempotency.ErrFenced, "Do whose transaction outlived the lease")
 	assert.Less(t, held, lease, "the lease did not end while the transaction was open")
 	assert.Zero(t, count(t, f, table), "the transaction committed after the lease ended locally")
 
 	var runs int
-	retry := chargeInTx(f, s, table, k, func(context.Context) { runs++ })
+	retry := chargeInTx(f, s, table, k, func(context.Context) error { runs++; return nil })
 	require.Eventually(t, func() bool {
 		_, err := g.Do(t.Context(), k, print, retry)
 		return err == nil
@@ -333,9 +317,11 @@ func testCompleteTxOutlivesLease(t *testing.T, f *fixture) {
 }
 
 // chargeInTx is an operation for Guard.Do that writes a charge and
-// completes k's record in one transaction, calls beforeCommit, commits with
-// the operation's context, and tells the Guard with Settled.
-func chargeInTx(f *fixture, s *postgres.Store, table string, k idempotency.Key, beforeCommit func(ctx context.Context)) func(context.Context) (idempotency.Response, error) {
+// completes k's record in one transaction, answering with the operation ID.
+// Before it commits, with the operation's context, it calls beforeCommit,
+// whose error rolls the transaction back and is the operation's; once
+// committed, it tells the Guard with Settled.
+func chargeInTx(f *fixture, s *postgres.Store, table string, k idempotency.Key, beforeCommit func(ctx context.Context) error) func(context.Context) (idempotency.Response, error) {
 	return func(ctx context.Context) (idempotency.Response, error) {
 		info, _ := idempotency.FromContext(ctx)
 		tx, err := f.pool.Begin(ctx)
@@ -346,15 +332,18 @@ func chargeInTx(f *fixture, s *postgres.Store, table string, k idempotency.Key, 
 		if _, err := tx.Exec(ctx, "INSERT INTO "+table+" (operation_id, amount) VALUES ($1, 100)", info.OperationID); err != nil {
 			return idempotency.Response{}, err
 		}
-		if err := s.CompleteTx(ctx, tx, k, info.Token, okResponse, longRetention); err != nil {
+		resp := idempotency.Response{Status: 201, Body: []byte(info.OperationID)}
+		if err := s.CompleteTx(ctx, tx, k, info.Token, resp, longRetention); err != nil {
 			return idempotency.Response{}, err
 		}
-		beforeCommit(ctx)
+		if err := beforeCommit(ctx); err != nil {
+			return idempotency.Response{}, err
+		}
 		if err := tx.Commit(ctx); err != nil {
 			return idempotency.Response{}, err
 		}
 		idempotency.SetDisposition(ctx, idempotency.Settled)
-		return okResponse, nil
+		return resp, nil
 	}
 }
 
