@@ -64,28 +64,6 @@ func benchResponse() Response {
 	}
 }
 
-func BenchmarkResponseMarshal(b *testing.B) {
-	r := benchResponse()
-	b.ReportAllocs()
-	for b.Loop() {
-		if _, err := r.MarshalBinary(); err != nil {
-			b.Fatal(err)
-		}
-	}
-}
-
-func BenchmarkResponseUnmarshal(b *testing.B) {
-	enc, err := benchResponse().MarshalBinary()
-	require.NoError(b, err)
-	b.ReportAllocs()
-	for b.Loop() {
-		var r Response
-		if err := r.UnmarshalBinary(enc); err != nil {
-			b.Fatal(err)
-		}
-	}
-}
-
 // BenchmarkRedisClaim is Guard.Do replaying a completed record: one claim
 // script, one round trip; in parallel, many goroutines whose claims share
 // round trips (see batcher).

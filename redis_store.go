@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/idempotency-go/idempotency/internal/wire"
 )
 
 var (
@@ -452,7 +454,7 @@ func completedClaim(rec string) (Claim, error) {
 		return Claim{}, fmt.Errorf("unexpected claim reply %q", rec)
 	}
 	end := head + int(rec[head-1])
-	status, fields, n, err := walkResponse(rec[end:], nil)
+	n, err := wire.HeadLen(rec[end:])
 	if err != nil {
 		return Claim{}, err
 	}
@@ -460,7 +462,7 @@ func completedClaim(rec string) (Claim, error) {
 	// strings are cut from it; not the body, which it would keep alive.
 	kept := strings.Clone(rec[head : end+n])
 	c := Claim{State: Completed, OperationID: kept[:end-head]}
-	c.Response.decodeHead(kept[end-head:], status, fields)
+	c.Response.Status, c.Response.Header = wire.ParseHead(kept[end-head:])
 	c.Response.Body = []byte(rec[end+n:])
 	return c, nil
 }
@@ -469,11 +471,8 @@ func completedClaim(rec string) (Claim, error) {
 // not confirmed by as many replicas returns ErrUnavailable, though the
 // master keeps it: a retry finds the outcome, unless a failover lost it.
 func (s *RedisStore) Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
-	body, err := resp.MarshalBinary()
-	if err != nil {
-		return err
-	}
 	rec, bk := s.recordKey(k)
+	body := wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body)
 	args := append(s.complete.args("2", 6), rec, bk.leases, strconv.FormatUint(token, 10), body, retention.Milliseconds(), s.publish)
 	cmd, unconfirmed := s.eval(ctx, s.complete, args, nil)
 	return settled("complete", cmd, unconfirmed)

@@ -2,10 +2,7 @@ package idempotency
 
 import (
 	"context"
-	"encoding/binary"
-	"errors"
 	"fmt"
-	"net/http"
 	"time"
 )
 
@@ -107,120 +104,6 @@ type Claim struct {
 	Abandoned   bool          // Owner: the previous attempt's lease ran out unsettled
 	Response    Response      // Completed
 	LeaseLeft   time.Duration // InFlight: time until the owner's lease runs out
-}
-
-// MarshalBinary encodes r compactly for a store: status, header fields with
-// every value in order, then the body.
-func (r Response) MarshalBinary() ([]byte, error) {
-	n := 2*binary.MaxVarintLen64 + len(r.Body)
-	for name, vs := range r.Header {
-		for _, v := range vs {
-			n += 2*binary.MaxVarintLen64 + len(name) + len(v)
-		}
-	}
-	b := make([]byte, 0, n)
-	b = binary.AppendUvarint(b, uint64(r.Status))
-	fields := 0
-	for _, vs := range r.Header {
-		fields += len(vs)
-	}
-	b = binary.AppendUvarint(b, uint64(fields))
-	for name, vs := range r.Header {
-		for _, v := range vs {
-			b = appendString(b, name)
-			b = appendString(b, v)
-		}
-	}
-	return append(b, r.Body...), nil
-}
-
-func appendString(b []byte, s string) []byte {
-	b = binary.AppendUvarint(b, uint64(len(s)))
-	return append(b, s...)
-}
-
-var errCorrupt = errors.New("idempotency: corrupt stored response")
-
-// UnmarshalBinary decodes what MarshalBinary encoded. The body shares b's
-// memory.
-func (r *Response) UnmarshalBinary(b []byte) error {
-	status, fields, n, err := walkResponse(b, nil)
-	if err != nil {
-		return err
-	}
-	r.decodeHead(string(b[:n]), status, fields)
-	r.Body = b[n:]
-	return nil
-}
-
-// decodeHead sets r's status and header from head, an encoding without
-// its body that walkResponse found sound. Names and values are cut from
-// head and the values share one array, so that a replay allocates little.
-func (r *Response) decodeHead(head string, status, fields int) {
-	r.Status = status
-	r.Header = make(http.Header, fields)
-	values := make([]string, 0, fields)
-	_, _, _, _ = walkResponse(head, func(name, v string) {
-		if vs, ok := r.Header[name]; ok {
-			r.Header[name] = append(vs, v)
-			return
-		}
-		values = append(values, v)
-		r.Header[name] = values[len(values)-1 : len(values) : len(values)]
-	})
-}
-
-// walkResponse reads an encoding made by MarshalBinary up to its body,
-// calling field, unless nil, on each header field in order, and returns
-// the status, the number of fields and where the body starts.
-func walkResponse[T string | []byte](b T, field func(name, value T)) (status, fields, body int, err error) {
-	i := 0
-	next := func() (uint64, bool) {
-		v, n := uvarint(b[i:])
-		if n <= 0 {
-			return 0, false
-		}
-		i += n
-		return v, true
-	}
-	st, ok1 := next()
-	nf, ok2 := next()
-	if !ok1 || !ok2 || st > 999 || nf > uint64(len(b)) {
-		return 0, 0, 0, errCorrupt
-	}
-	for range nf {
-		var nv [2]T
-		for j := range nv {
-			l, ok := next()
-			if !ok || l > uint64(len(b)-i) {
-				return 0, 0, 0, errCorrupt
-			}
-			nv[j] = b[i : i+int(l)]
-			i += int(l)
-		}
-		if field != nil {
-			field(nv[0], nv[1])
-		}
-	}
-	return int(st), int(nf), i, nil
-}
-
-// uvarint is binary.Uvarint, for a string as well.
-func uvarint[T string | []byte](b T) (uint64, int) {
-	var x uint64
-	var shift uint
-	for i := 0; i < len(b) && i < binary.MaxVarintLen64; i++ {
-		c := b[i]
-		if c < 0x80 {
-			if i == binary.MaxVarintLen64-1 && c > 1 {
-				return 0, -(i + 1) // overflow
-			}
-			return x | uint64(c)<<shift, i + 1
-		}
-		x |= uint64(c&0x7f) << shift
-		shift += 7
-	}
-	return 0, 0
 }
 
 // unavailable wraps a store failure so that it matches ErrUnavailable.

@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/idempotency-go/idempotency"
+	"github.com/idempotency-go/idempotency/internal/wire"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -225,9 +226,12 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 		c.State, c.Token = idempotency.Owner, uint64(token)
 	case "completed":
 		c.State = idempotency.Completed
-		if err := c.Response.UnmarshalBinary(response); err != nil {
+		n, err := wire.HeadLen(response)
+		if err != nil {
 			return idempotency.Claim{}, unavailable("claim", err)
 		}
+		c.Response.Status, c.Response.Header = wire.ParseHead(string(response[:n]))
+		c.Response.Body = response[n:]
 	case "in_flight":
 		c.State, c.LeaseLeft = idempotency.InFlight, time.Duration(leftUS)*time.Microsecond
 	case "mismatch":
@@ -333,10 +337,7 @@ func (s *Store) DeleteExpired(ctx context.Context) (int64, error) {
 }
 
 func (s *Store) complete(ctx context.Context, q querier, sql string, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
-	b, err := resp.MarshalBinary()
-	if err != nil {
-		return unavailable("complete", err)
-	}
+	b := wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body)
 	return s.fenced(ctx, q, "complete", sql, k, token, b, retention.Microseconds())
 }
 

@@ -1,0 +1,118 @@
+package wire
+
+import (
+	"net/http"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func decode(t testing.TB, enc []byte) (int, http.Header, []byte) {
+	n, err := HeadLen(enc)
+	require.NoError(t, err)
+	status, h := ParseHead(string(enc[:n]))
+	return status, h, enc[n:]
+}
+
+func TestResponseRoundTrip(t *testing.T) {
+	for _, tc := range []struct {
+		status int
+		header http.Header
+		body   string
+	}{
+		{200, nil, ""},
+		{201, http.Header{"Content-Type": {"application/json"}}, `{"id":"ch_1"}`},
+		{999, http.Header{"Set-Foo": {"a", "", "c"}, "X": {""}, "Empty": {}}, "\x00\xff body with zero bytes"},
+		{0, http.Header{"A": {"1"}, "B": {"2", "3"}}, string(make([]byte, 300))},
+	} {
+		enc := AppendResponse([]byte("prefix"), tc.status, tc.header, []byte(tc.body))
+		require.Equal(t, "prefix", string(enc[:6]))
+		status, h, body := decode(t, enc[6:])
+		assert.Equal(t, tc.status, status)
+		assert.Equal(t, tc.body, string(body))
+		want := http.Header{}
+		for name, vs := range tc.header {
+			if len(vs) > 0 {
+				want[name] = vs
+			}
+		}
+		assert.Equal(t, want, h)
+		// Appending to one value must not overwrite another's.
+		for name := range h {
+			h[name] = append(h[name], "added")
+		}
+		for name, vs := range want {
+			assert.Equal(t, append(append([]string(nil), vs...), "added"), h[name], name)
+		}
+	}
+}
+
+func TestResponseCorrupt(t *testing.T) {
+	valid := AppendResponse(nil, 201, http.Header{"Location": {"/v1/x"}}, []byte("body"))
+	n, err := HeadLen(valid)
+	require.NoError(t, err)
+	for _, enc := range [][]byte{
+		nil,
+		{0x80},              // a varint that never ends
+		{0xe8, 0x07, 0},     // status 1000
+		{200},               // no field count
+		{200, 1},            // a field count and no field
+		{200, 1, 5, 'a'},    // a name shorter than its length
+		{200, 0x7f, 1, 'a'}, // more fields than bytes could hold
+		{200, 1, 1, 'a', 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f}, // a length past 2^64
+		valid[:n-1],
+	} {
+		_, err := HeadLen(enc)
+		assert.ErrorIs(t, err, ErrCorrupt, "%q", enc)
+		_, err = HeadLen(string(enc))
+		assert.ErrorIs(t, err, ErrCorrupt, "%q as a string", enc)
+	}
+}
+
+// FuzzResponse holds HeadLen to never panic on foreign bytes, and a head it
+// accepts to decode to a response that encodes back to what it read.
+func FuzzResponse(f *testing.F) {
+	f.Add(AppendResponse(nil, 201, http.Header{"Location": {"/v1/x"}, "A": {"1", "2"}}, []byte("body")))
+	f.Add([]byte{200, 0})
+	f.Add([]byte{0x80, 0x80})
+	f.Fuzz(func(t *testing.T, enc []byte) {
+		n, err := HeadLen(enc)
+		if err != nil {
+			return
+		}
+		status, h := ParseHead(string(enc[:n]))
+		again := AppendResponse(nil, status, h, enc[n:])
+		status2, h2, body2 := decode(t, again)
+		require.Equal(t, status, status2)
+		require.Equal(t, h, h2)
+		require.Equal(t, enc[n:], body2)
+	})
+}
+
+// benchHeader is a typical stored response's header.
+var benchHeader = http.Header{
+	"Content-Type": {"application/json"},
+	"Location":     {"/v1/charges/ch_3MmlLrLkdIwHu7ix0snN0B15"},
+	"X-Request-Id": {"req_0d8f0c1b7a3e4d2f"},
+}
+
+func BenchmarkAppendResponse(b *testing.B) {
+	body := make([]byte, 1024)
+	b.ReportAllocs()
+	for b.Loop() {
+		AppendResponse(nil, http.StatusCreated, benchHeader, body)
+	}
+}
+
+func BenchmarkParseResponse(b *testing.B) {
+	enc := AppendResponse(nil, http.StatusCreated, benchHeader, make([]byte, 1024))
+	b.ReportAllocs()
+	for b.Loop() {
+		n, err := HeadLen(enc)
+		if err != nil {
+			b.Fatal(err)
+		}
+		ParseHead(string(enc[:n]))
+	}
+}
