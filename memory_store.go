@@ -7,6 +7,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/idempotency-go/idempotency/internal/wakeup"
 )
 
 // MemoryOptions configures a MemoryStore. The zero value of every field is
@@ -30,7 +32,7 @@ type MemoryStore struct {
 	mu      sync.Mutex
 	records map[Key]*memRecord
 	token   uint64 // last token issued, for every key: tokens never repeat
-	subs    map[Key]map[*memSub]struct{}
+	subs    wakeup.Registry[Key]
 }
 
 type memRecord struct {
@@ -52,7 +54,7 @@ func NewMemoryStore(opts MemoryOptions) *MemoryStore {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	return &MemoryStore{opts: opts, records: make(map[Key]*memRecord), subs: make(map[Key]map[*memSub]struct{})}
+	return &MemoryStore{opts: opts, records: make(map[Key]*memRecord)}
 }
 
 // Claim implements Store.
@@ -108,7 +110,7 @@ func (s *MemoryStore) Complete(_ context.Context, k Key, token uint64, resp Resp
 	resp.Header = resp.Header.Clone()
 	resp.Body = bytes.Clone(resp.Body)
 	r.state, r.response, r.expires = Completed, resp, now.Add(retention)
-	s.wake(k)
+	s.subs.Wake(k)
 	return nil
 }
 
@@ -135,7 +137,7 @@ func (s *MemoryStore) end(k Key, token uint64, forget bool) error {
 	} else {
 		r.state = 0
 	}
-	s.wake(k)
+	s.subs.Wake(k)
 	return nil
 }
 
@@ -162,17 +164,10 @@ func (s *MemoryStore) renew(k Key, token uint64, lease time.Duration) error {
 	return nil
 }
 
-// Subscribe implements Store. It is confirmed at once: wake-ups are sent
-// under the same lock as the transitions.
+// Subscribe implements Store. It is confirmed at once: every transition
+// wakes the record's subscribers before it returns.
 func (s *MemoryStore) Subscribe(_ context.Context, k Key) (Subscription, error) {
-	sub := &memSub{s: s, k: k, c: make(chan struct{}, 1)}
-	s.mu.Lock()
-	if s.subs[k] == nil {
-		s.subs[k] = make(map[*memSub]struct{})
-	}
-	s.subs[k][sub] = struct{}{}
-	s.mu.Unlock()
-	return sub, nil
+	return s.subs.Add(k), nil
 }
 
 // Abandoned implements Store. It scans every record: the memory store is
@@ -231,33 +226,4 @@ func (s *MemoryStore) dropExpired(now time.Time) {
 			delete(s.records, k)
 		}
 	}
-}
-
-func (s *MemoryStore) wake(k Key) {
-	for sub := range s.subs[k] {
-		select {
-		case sub.c <- struct{}{}:
-		default: // a wake-up is already pending
-		}
-	}
-}
-
-type memSub struct {
-	s    *MemoryStore
-	k    Key
-	c    chan struct{}
-	once sync.Once
-}
-
-func (m *memSub) C() <-chan struct{} { return m.c }
-
-func (m *memSub) Close() {
-	m.once.Do(func() {
-		m.s.mu.Lock()
-		delete(m.s.subs[m.k], m)
-		if len(m.s.subs[m.k]) == 0 {
-			delete(m.s.subs, m.k)
-		}
-		m.s.mu.Unlock()
-	})
 }

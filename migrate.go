@@ -5,6 +5,8 @@ import (
 	"errors"
 	"sync"
 	"time"
+
+	"github.com/idempotency-go/idempotency/internal/wakeup"
 )
 
 // MigrationOptions configures a MigratingStore. The zero value of every
@@ -197,16 +199,13 @@ func (m *MigratingStore) Subscribe(ctx context.Context, k Key) (Subscription, er
 		n.Close()
 		return nil, err
 	}
-	s := &bothSub{subs: [2]Subscription{n, o}, c: make(chan struct{}, 1), done: make(chan struct{})}
+	s := &bothSub{subs: [2]Subscription{n, o}, c: wakeup.NewSignal(), done: make(chan struct{})}
 	for _, sub := range s.subs {
 		s.wg.Go(func() {
 			for {
 				select {
 				case <-sub.C():
-					select {
-					case s.c <- struct{}{}:
-					default:
-					}
+					s.c.Wake()
 				case <-s.done:
 					return
 				}
@@ -219,7 +218,7 @@ func (m *MigratingStore) Subscribe(ctx context.Context, k Key) (Subscription, er
 // bothSub merges the wake-ups of two subscriptions.
 type bothSub struct {
 	subs [2]Subscription
-	c    chan struct{}
+	c    wakeup.Signal
 	done chan struct{}
 	wg   sync.WaitGroup
 	once sync.Once

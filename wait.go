@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/idempotency-go/idempotency/internal/wakeup"
 )
 
 // waiters multiplexes every waiter of one store over pub/sub connections,
@@ -116,7 +118,7 @@ type waitChannel struct {
 
 type redisSub struct {
 	name  string
-	c     chan struct{}
+	c     wakeup.Signal
 	ready chan struct{} // closed once the first subscription is confirmed
 
 	// mu orders joining a hub against Close, so that a waiter that is
@@ -140,7 +142,7 @@ func (s *redisSub) Close() {
 
 // subscribe returns once name is confirmed subscribed for the new waiter.
 func (w *waiters) subscribe(ctx context.Context, name string) (*redisSub, error) {
-	s := &redisSub{name: name, c: make(chan struct{}, 1), ready: make(chan struct{})}
+	s := &redisSub{name: name, c: wakeup.NewSignal(), ready: make(chan struct{})}
 	node, c, err := w.locate(ctx, name)
 	if err == nil {
 		err = w.place(ctx, s, node, c)
@@ -344,7 +346,7 @@ func (h *waitHub) handle(m any) {
 	case *redis.Message:
 		if ch := h.chans[m.Channel]; ch != nil {
 			for s := range ch.waiters {
-				wake(s)
+				s.c.Wake()
 			}
 		}
 	case *redis.Subscription:
@@ -404,16 +406,9 @@ func (h *waitHub) retire() error {
 func confirmed(s *redisSub) {
 	select {
 	case <-s.ready:
-		wake(s)
+		s.c.Wake()
 	default:
 		close(s.ready)
-	}
-}
-
-func wake(s *redisSub) {
-	select {
-	case s.c <- struct{}{}:
-	default: // a wake-up is already pending
 	}
 }
 

@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/idempotency-go/idempotency"
+	"github.com/idempotency-go/idempotency/internal/wakeup"
 	"github.com/idempotency-go/idempotency/internal/wire"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -75,7 +76,7 @@ type Store struct {
 	claimSQL, completeSQL, completeTxSQL, releaseSQL, forgetSQL, heartbeatSQL, abandonedSQL, deleteSQL string
 
 	mu   sync.Mutex
-	subs map[string]map[*subscription]struct{} // by wakeID
+	subs wakeup.Registry[string] // by wakeID
 	// listening is closed while the listener's connection has executed
 	// LISTEN; it is replaced by an open one when that connection is lost.
 	listening chan struct{}
@@ -128,7 +129,6 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 		deleteSQL: `DELETE FROM ` + t + ` t USING (
 				SELECT scope, key FROM ` + t + ` WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED
 			) doomed WHERE t.scope = doomed.scope AND t.key = doomed.key`,
-		subs:      make(map[string]map[*subscription]struct{}),
 		listening: make(chan struct{}),
 	}
 }
@@ -367,7 +367,6 @@ func (s *Store) fenced(ctx context.Context, q querier, op, sql string, k idempot
 // Store reconnects and then wakes every subscriber, since what was sent in
 // between is lost.
 func (s *Store) Subscribe(ctx context.Context, k idempotency.Key) (idempotency.Subscription, error) {
-	sub := &subscription{s: s, id: wakeID(k), c: make(chan struct{}, 1)}
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -378,10 +377,7 @@ func (s *Store) Subscribe(ctx context.Context, k idempotency.Key) (idempotency.S
 		s.stop, s.stopped = stop, make(chan struct{})
 		go s.listen(lctx)
 	}
-	if s.subs[sub.id] == nil {
-		s.subs[sub.id] = make(map[*subscription]struct{})
-	}
-	s.subs[sub.id][sub] = struct{}{}
+	sub := s.subs.Add(wakeID(k))
 	listening, stopped := s.listening, s.stopped
 	s.mu.Unlock()
 
@@ -411,7 +407,7 @@ func (s *Store) Close() {
 		return
 	}
 	s.closed = true
-	s.wakeAll()
+	s.subs.WakeAll()
 	stop, stopped := s.stop, s.stopped
 	s.mu.Unlock()
 	if stop != nil {
@@ -473,14 +469,14 @@ func (s *Store) listenOnce(ctx context.Context, reconnect bool) (listened bool) 
 	if reconnect {
 		// Notifications sent while no connection listened are lost: every
 		// subscriber re-reads its record.
-		s.wakeAll()
+		s.subs.WakeAll()
 	}
 	s.mu.Unlock()
 
 	for {
 		n, err := conn.WaitForNotification(ctx)
 		if n != nil {
-			s.dispatch(n.Payload)
+			s.subs.Wake(n.Payload)
 		}
 		if err != nil {
 			s.lost(err)
@@ -499,55 +495,10 @@ func (s *Store) lost(err error) {
 	}
 }
 
-func (s *Store) dispatch(id string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for sub := range s.subs[id] {
-		sub.wake()
-	}
-}
-
-// wakeAll wakes every subscriber. s.mu must be held.
-func (s *Store) wakeAll() {
-	for _, subs := range s.subs {
-		for sub := range subs {
-			sub.wake()
-		}
-	}
-}
-
 // wakeID names a record in notifications as the trigger in schema.sql does.
 func wakeID(k idempotency.Key) string {
 	sum := sha256.Sum256([]byte(k.Scope + "\x00" + k.Name))
 	return hex.EncodeToString(sum[:16])
-}
-
-type subscription struct {
-	s    *Store
-	id   string
-	c    chan struct{}
-	once sync.Once
-}
-
-func (sub *subscription) C() <-chan struct{} { return sub.c }
-
-func (sub *subscription) wake() {
-	select {
-	case sub.c <- struct{}{}:
-	default: // a wake-up is already pending
-	}
-}
-
-func (sub *subscription) Close() {
-	sub.once.Do(func() {
-		s := sub.s
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		delete(s.subs[sub.id], sub)
-		if len(s.subs[sub.id]) == 0 {
-			delete(s.subs, sub.id)
-		}
-	})
 }
 
 // unavailable wraps a database failure so that it matches
