@@ -46,7 +46,7 @@ type batchCall struct {
 	sc   *script
 	args []any
 	cmd  *redis.Cmd        // the script's reply
-	wait *redis.Cmd        // the reply of the WAIT sent after it, if any
+	acks *redis.Cmd        // the reply of the WAIT for replicas sent after it, if any
 	lead chan []*batchCall // for a queued call: nil once sent, or a batch to lead
 	self [1]*batchCall     // the call as a batch of one, without allocating one
 }

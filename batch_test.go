@@ -37,7 +37,7 @@ func batchedCalls(t *testing.T, c redis.UniversalClient, o RedisOptions, flush f
 	if o.Replicas > 0 {
 		node, err := s.master(ctx, "")
 		require.NoError(t, err)
-		batcher = s.waitedBatcher(node)
+		batcher = s.confirmedBatcher(node)
 	}
 	key := func(i int) (Key, Fingerprint) {
 		k := Key{Scope: "batch", Name: fmt.Sprint("k", i)}

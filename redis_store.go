@@ -34,6 +34,12 @@ var (
 	abandonedLua string
 )
 
+// scripts are the store's Lua scripts, one per transition, each named for
+// its file in lua/.
+type scripts struct {
+	claim, complete, release, heartbeat, abandoned *script
+}
+
 // script is one of the store's Lua scripts, the record's encoding
 // (lua/record.lua) before it. It is run as go-redis's Script runs one,
 // EVALSHA and EVAL when the server lacks it, but from one argument slice
@@ -126,18 +132,16 @@ type RedisOptions struct {
 // Redis, and on a cluster sharded pub/sub with one connection per master,
 // which follows a slot when it moves to another master.
 type RedisStore struct {
-	c        redis.UniversalClient
-	prefix   string
-	publish  any // the command that wakes waiters, run by the scripts; boxed once
-	claim    *script
-	complete *script
-	release  *script
-	beat     *script
-	sweep    *script
-	waits    *waiters
-	batch    *batcher
-	waited   sync.Map // *redis.Client, a master -> *batcher, with Replicas set
-	buckets  [buckets]bucketKeys
+	c       redis.UniversalClient
+	prefix  string
+	publish any // the command that wakes waiters, run by the scripts; boxed once
+	scripts scripts
+	waiters *waiters
+	batch   *batcher
+	// confirmed holds, with Replicas set, the batcher of each master (a
+	// *redis.Client) whose batches end with a WAIT for replicas.
+	confirmed sync.Map
+	buckets   [buckets]bucketKeys
 
 	replicas       int
 	replicaTimeout time.Duration
@@ -166,13 +170,15 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 	// WAIT counts whole milliseconds, and 0 would wait for ever.
 	o.ReplicaTimeout = max(o.ReplicaTimeout, time.Millisecond)
 	s := &RedisStore{
-		c:              c,
-		prefix:         o.Prefix,
-		claim:          newScript(claimLua),
-		complete:       newScript(completeLua),
-		release:        newScript(releaseLua),
-		beat:           newScript(heartbeatLua),
-		sweep:          newScript(abandonedLua),
+		c:      c,
+		prefix: o.Prefix,
+		scripts: scripts{
+			claim:     newScript(claimLua),
+			complete:  newScript(completeLua),
+			release:   newScript(releaseLua),
+			heartbeat: newScript(heartbeatLua),
+			abandoned: newScript(abandonedLua),
+		},
 		replicas:       o.Replicas,
 		replicaTimeout: o.ReplicaTimeout,
 		batch:          &batcher{send: sendScripts(c)},
@@ -184,10 +190,10 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 	var readTimeout time.Duration
 	switch c := c.(type) {
 	case *redis.ClusterClient:
-		s.publish, s.waits, s.master, s.reload = "SPUBLISH", newShardedWaiters(c), c.MasterForKey, c.ReloadState
+		s.publish, s.waiters, s.master, s.reload = "SPUBLISH", newShardedWaiters(c), c.MasterForKey, c.ReloadState
 		readTimeout = c.Options().ReadTimeout
 	case *redis.Client:
-		s.publish, s.waits = "PUBLISH", newWaiters(c)
+		s.publish, s.waiters = "PUBLISH", newWaiters(c)
 		s.master = func(context.Context, string) (*redis.Client, error) { return c, nil }
 		s.reload = func(context.Context) {}
 		readTimeout = c.Options().ReadTimeout
@@ -195,7 +201,7 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 		if o.Replicas > 0 {
 			panic(fmt.Sprintf("idempotency: RedisOptions.Replicas needs a *redis.Client or *redis.ClusterClient, not %T", c))
 		}
-		s.publish, s.waits = "PUBLISH", newWaiters(c)
+		s.publish, s.waiters = "PUBLISH", newWaiters(c)
 	}
 	// WAIT is read, pipelined, within the client's ReadTimeout; a read that
 	// times out would have go-redis run the script again.
@@ -207,7 +213,7 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 
 // Close releases the store's pub/sub connections; it does not close the
 // client. Waiters still waiting fall back to re-reading on a timer.
-func (s *RedisStore) Close() error { return s.waits.close() }
+func (s *RedisStore) Close() error { return s.waiters.close() }
 
 // buckets is the number of hash tags records are spread over. Records share
 // a tag with their bucket's token sequence and in-flight index, so a claim
@@ -283,9 +289,9 @@ func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error)
 	if req.Watch {
 		watch = "1"
 	}
-	args := append(s.claim.args("3", 8), rec, bk.seq, bk.leases, string(req.Fingerprint[:]), req.OperationID,
+	args := append(s.scripts.claim.args("3", 8), rec, bk.seq, bk.leases, string(req.Fingerprint[:]), req.OperationID,
 		req.Lease.Milliseconds(), req.Retention.Milliseconds(), watch)
-	cmd, unconfirmed := s.eval(ctx, s.claim, args, func(cmd *redis.Cmd) bool {
+	cmd, unconfirmed := s.eval(ctx, s.scripts.claim, args, func(cmd *redis.Cmd) bool {
 		switch v := cmd.Val().(type) {
 		case int64:
 			return true
@@ -320,7 +326,7 @@ func (s *RedisStore) giveUp(ctx context.Context, k Key, c Claim) {
 	if c.Attempt == 1 {
 		forget = "1"
 	}
-	_ = s.release.run(ctx, s.c, s.releaseArgs(k, c.Token, forget))
+	_ = s.scripts.release.run(ctx, s.c, s.releaseArgs(k, c.Token, forget))
 }
 
 // eval runs sc with args (made by sc.args), which name one record, through
@@ -340,13 +346,13 @@ func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable f
 		cmd.SetErr(err)
 		return cmd, nil
 	}
-	bc := s.waitedBatcher(node).run(ctx, sc, args)
+	bc := s.confirmedBatcher(node).run(ctx, sc, args)
 	if noScript(bc.cmd.Err()) {
 		sc.bySource(args)
 		bc = &batchCall{sc: sc, args: args}
-		s.sendWaited(node)(ctx, []*batchCall{bc})
+		s.sendConfirmed(node)(ctx, []*batchCall{bc})
 	}
-	cmd, wait := bc.cmd, bc.wait
+	cmd, acks := bc.cmd, bc.acks
 	var reply redis.Error
 	switch err := cmd.Err(); {
 	case isRedirect(err):
@@ -365,7 +371,7 @@ func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable f
 	if !keep(cmd) {
 		return cmd, nil
 	}
-	switch n, err := wait.Int64(); {
+	switch n, err := acks.Int64(); {
 	case err != nil:
 		return cmd, fmt.Errorf("waiting for replicas: %w", err)
 	case n < int64(s.replicas):
@@ -374,29 +380,29 @@ func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable f
 	return cmd, nil
 }
 
-// waitedBatcher returns the batcher that sends scripts with WAIT on node,
+// confirmedBatcher returns the batcher that sends scripts with WAIT on node,
 // a master: one per master, since WAIT covers only the writes of its own
 // connection.
-func (s *RedisStore) waitedBatcher(node *redis.Client) *batcher {
-	if b, ok := s.waited.Load(node); ok {
+func (s *RedisStore) confirmedBatcher(node *redis.Client) *batcher {
+	if b, ok := s.confirmed.Load(node); ok {
 		return b.(*batcher)
 	}
-	b, _ := s.waited.LoadOrStore(node, &batcher{send: s.sendWaited(node)})
+	b, _ := s.confirmed.LoadOrStore(node, &batcher{send: s.sendConfirmed(node)})
 	return b.(*batcher)
 }
 
-// sendWaited sends batches on node, a master, each in one pipeline with one
+// sendConfirmed sends batches on node, a master, each in one pipeline with one
 // WAIT after its scripts, which go-redis writes on one connection: WAIT
 // covers every write made before it on its connection, so one confirms
 // them all. A WAIT after scripts that wrote nothing returns at once, unless
 // replicas are missing or lag.
-func (s *RedisStore) sendWaited(node *redis.Client) func(context.Context, []*batchCall) {
+func (s *RedisStore) sendConfirmed(node *redis.Client) func(context.Context, []*batchCall) {
 	return func(ctx context.Context, batch []*batchCall) {
 		_, _ = node.Pipelined(ctx, func(p redis.Pipeliner) error {
 			queueScripts(ctx, p, batch)
-			wait := p.Do(ctx, "WAIT", s.replicas, s.replicaTimeout.Milliseconds())
+			acks := p.Do(ctx, "WAIT", s.replicas, s.replicaTimeout.Milliseconds())
 			for _, bc := range batch {
-				bc.wait = wait
+				bc.acks = acks
 			}
 			return nil
 		})
@@ -473,8 +479,8 @@ func completedClaim(rec string) (Claim, error) {
 func (s *RedisStore) Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
 	rec, bk := s.recordKey(k)
 	body := wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body)
-	args := append(s.complete.args("2", 6), rec, bk.leases, strconv.FormatUint(token, 10), body, retention.Milliseconds(), s.publish)
-	cmd, unconfirmed := s.eval(ctx, s.complete, args, nil)
+	args := append(s.scripts.complete.args("2", 6), rec, bk.leases, strconv.FormatUint(token, 10), body, retention.Milliseconds(), s.publish)
+	cmd, unconfirmed := s.eval(ctx, s.scripts.complete, args, nil)
 	return settled("complete", cmd, unconfirmed)
 }
 
@@ -482,13 +488,13 @@ func (s *RedisStore) Complete(ctx context.Context, k Key, token uint64, resp Res
 // confirmed by as many replicas returns ErrUnavailable, though the master
 // keeps it.
 func (s *RedisStore) Release(ctx context.Context, k Key, token uint64) error {
-	cmd, unconfirmed := s.eval(ctx, s.release, s.releaseArgs(k, token, "0"), nil)
+	cmd, unconfirmed := s.eval(ctx, s.scripts.release, s.releaseArgs(k, token, "0"), nil)
 	return settled("release", cmd, unconfirmed)
 }
 
 // Forget implements Store, as Release does.
 func (s *RedisStore) Forget(ctx context.Context, k Key, token uint64) error {
-	cmd, unconfirmed := s.eval(ctx, s.release, s.releaseArgs(k, token, "1"), nil)
+	cmd, unconfirmed := s.eval(ctx, s.scripts.release, s.releaseArgs(k, token, "1"), nil)
 	return settled("forget", cmd, unconfirmed)
 }
 
@@ -496,7 +502,7 @@ func (s *RedisStore) Forget(ctx context.Context, k Key, token uint64) error {
 // delete the record, "0" to release it.
 func (s *RedisStore) releaseArgs(k Key, token uint64, forget string) []any {
 	rec, bk := s.recordKey(k)
-	return append(s.release.args("2", 5), rec, bk.leases, strconv.FormatUint(token, 10), forget, s.publish)
+	return append(s.scripts.release.args("2", 5), rec, bk.leases, strconv.FormatUint(token, 10), forget, s.publish)
 }
 
 // settled is the outcome of a settling script run by eval.
@@ -522,14 +528,14 @@ func (s *RedisStore) Abandon(ctx context.Context, k Key, token uint64) error {
 
 func (s *RedisStore) renew(ctx context.Context, k Key, token uint64, lease time.Duration) error {
 	rec, bk := s.recordKey(k)
-	args := append(s.beat.args("2", 4), rec, bk.leases, strconv.FormatUint(token, 10), lease.Milliseconds())
-	return fenced("heartbeat", s.batch.run(ctx, s.beat, args).cmd.Err())
+	args := append(s.scripts.heartbeat.args("2", 4), rec, bk.leases, strconv.FormatUint(token, 10), lease.Milliseconds())
+	return fenced("heartbeat", s.batch.run(ctx, s.scripts.heartbeat, args).cmd.Err())
 }
 
 // Subscribe implements Store: the record's key is also its channel.
 func (s *RedisStore) Subscribe(ctx context.Context, k Key) (Subscription, error) {
 	rec, _ := s.recordKey(k)
-	sub, err := s.waits.subscribe(ctx, rec)
+	sub, err := s.waiters.subscribe(ctx, rec)
 	if err != nil {
 		return nil, unavailable("subscribe", err)
 	}
@@ -543,12 +549,12 @@ func (s *RedisStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecor
 		return nil, nil
 	}
 	// A pipeline cannot fall back to EVAL command by command.
-	if err := s.c.ScriptLoad(ctx, s.sweep.src).Err(); err != nil {
+	if err := s.c.ScriptLoad(ctx, s.scripts.abandoned.src).Err(); err != nil {
 		return nil, unavailable("abandoned", err)
 	}
 	cmds, err := s.c.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for b := range s.buckets {
-			_ = p.Process(ctx, redis.NewCmd(ctx, append(s.sweep.args("1", 2), s.buckets[b].leases, limit)...))
+			_ = p.Process(ctx, redis.NewCmd(ctx, append(s.scripts.abandoned.args("1", 2), s.buckets[b].leases, limit)...))
 		}
 		return nil
 	})
