@@ -13,6 +13,60 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// 5. Once the owner's lease has run out, the same request takes the record
+// over: attempt 2, the same operation ID, a greater token; exactly one of
+// many concurrent claims does. An owner whose lease ran out but whom nobody
+// took over still holds the current token.
+func takeoverAfterLeaseExpiry(e *env) {
+	fp := fingerprint("a")
+	shortClaim := func(label string) (idempotency.ClaimRequest, idempotency.Claim) {
+		req := request(e.key(label), fp)
+		req.Lease = e.lease
+		return req, e.own(req, 1, req.OperationID, "first claim, with a short lease")
+	}
+	single, singleOwner := shortClaim("takeover")
+	raced, racedOwner := shortClaim("takeover-race")
+	late, lateOwner := shortClaim("late-owner")
+	e.wait(e.past)
+
+	e.requireState(idempotency.Mismatch, e.claim(request(single.Key, fingerprint("b"))),
+		"claim with another fingerprint after the lease ran out")
+	c := e.own(request(single.Key, fp), 2, single.OperationID, "claim after the lease ran out")
+	require.Greater(e.t, c.Token, singleOwner.Token, "the takeover's token must be greater than the first owner's")
+	e.requireInFlight(request(single.Key, fp), longLease, "claim after the takeover")
+
+	reqs := racers(claimers, raced.Key, fp)
+	cs := e.claimAll(reqs)
+	c = cs[e.requireOneOwner(reqs, cs, "concurrent claims after the lease ran out")]
+	e.requireOwner(c, 2, raced.OperationID, "the concurrent takeover")
+	require.Greater(e.t, c.Token, racedOwner.Token, "the concurrent takeover's token must be greater than the first owner's")
+
+	want := idempotency.Response{Status: http.StatusOK, Body: []byte("late but unopposed")}
+	e.complete(late.Key, lateOwner.Token, want, "an owner whose lease ran out, not taken over")
+	e.requireReplay(request(late.Key, fp), late.OperationID, want, "claim after the late owner completed")
+}
+
+// 8. A heartbeat sets the owner's lease to a full lease from the heartbeat:
+// the record stays in flight past the original lease, until the renewed one
+// runs out.
+func heartbeatExtendsLease(e *env) {
+	k, fp := e.key("heartbeat"), fingerprint("a")
+	first := request(k, fp)
+	first.Lease = e.lease
+	c1 := e.own(first, 1, first.OperationID, "first claim, with a short lease")
+	e.wait(e.lease / 2)
+	require.NoError(e.t, e.store.Heartbeat(e.ctx, k, c1.Token, 2*e.lease), "the owner's Heartbeat")
+	e.wait(e.lease)
+	// At least a lease has passed since the heartbeat: at most one of its two
+	// leases is left.
+	e.requireInFlight(request(k, fp), e.lease, "claim after the original lease ran out, within the renewed one")
+	e.wait(e.past)
+	c2 := e.own(request(k, fp), 2, first.OperationID, "claim after the renewed lease ran out")
+	require.Greater(e.t, c2.Token, c1.Token, "the takeover's token must be greater than the first owner's")
+	require.ErrorIs(e.t, e.store.Heartbeat(e.ctx, k, c1.Token, longLease), idempotency.ErrFenced,
+		"the first owner's Heartbeat after the takeover")
+}
+
 // silenceLease is the lease of the owner whose store falls silent: long
 // enough for a renewal or two on a busy machine, short enough for the case
 // to run in real time, as the owner's timer does whatever the store's clock.

@@ -1,0 +1,56 @@
+package idempotencytest
+
+import (
+	"net/http"
+
+	"github.com/idempotency-go/idempotency"
+	"github.com/stretchr/testify/require"
+)
+
+// 9. A record is gone once its retention has passed, completed or still in
+// flight; the key's next token is still greater than every earlier one, so
+// an owner from before the expiry is fenced on the record made again.
+func retention(e *env) {
+	fp := fingerprint("a")
+	done := request(e.key("completed"), fp)
+	doneOwner := e.own(done, 1, done.OperationID, "first claim of the record to complete")
+	kept := idempotency.Response{Status: http.StatusCreated, Body: []byte("kept for a while")}
+	require.NoError(e.t, e.store.Complete(e.ctx, done.Key, doneOwner.Token, kept, e.lease), "Complete with a short retention")
+	e.requireReplay(request(done.Key, fp), done.OperationID, kept, "claim within the retention")
+	flight := request(e.key("in-flight"), fp)
+	flight.Lease, flight.Retention = e.lease, e.lease
+	flightOwner := e.own(flight, 1, flight.OperationID, "first claim of the record left in flight, with a short retention")
+	e.wait(e.past)
+
+	again := request(done.Key, fingerprint("b"))
+	c := e.own(again, 1, again.OperationID, "claim with another fingerprint after the completed record's retention")
+	require.Greater(e.t, c.Token, doneOwner.Token, "the recreated record's token must be greater than the expired record's")
+	e.requireFenced(done.Key, doneOwner.Token, "the expired completed record's owner")
+	e.requireInFlight(request(done.Key, fingerprint("b")), longLease, "claim after the expired record's owner was fenced")
+
+	again = request(flight.Key, fp)
+	c = e.own(again, 1, again.OperationID, "claim after the in-flight record's retention")
+	require.Greater(e.t, c.Token, flightOwner.Token, "the recreated record's token must be greater than the expired record's")
+	e.requireFenced(flight.Key, flightOwner.Token, "the expired in-flight record's owner")
+	e.requireInFlight(request(flight.Key, fp), longLease, "claim after the expired record's owner was fenced")
+	want := idempotency.Response{Status: http.StatusOK, Body: []byte("the new owner's")}
+	e.complete(flight.Key, c.Token, want, "the recreated record's owner")
+	e.requireReplay(request(flight.Key, fp), again.OperationID, want, "claim after the recreated record completed")
+}
+
+// A takeover near the end of a record's retention must not lose the record
+// while the new owner runs: the claim's retention applies from the takeover.
+func takeoverExtendsRetention(e *env) {
+	fp := fingerprint("a")
+	first := request(e.key("late-takeover"), fp)
+	first.Lease, first.Retention = e.lease, e.lease+e.past
+	e.own(first, 1, first.OperationID, "first claim, with a retention just past its lease")
+	e.wait(e.past)
+	taker := request(first.Key, fp)
+	c := e.own(taker, 2, first.OperationID, "takeover after the lease ran out, before the retention did")
+	e.wait(e.past) // the first claim's retention has now run out
+	e.requireInFlight(request(first.Key, fp), longLease, "claim after the first claim's retention, during the takeover")
+	want := idempotency.Response{Status: http.StatusCreated, Body: []byte("settled late")}
+	e.complete(first.Key, c.Token, want, "the late owner")
+	e.requireReplay(request(first.Key, fp), first.OperationID, want, "claim after the late owner completed")
+}
