@@ -10,11 +10,13 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// 14. A claim that takes a record over says whether the previous attempt
-// was abandoned, its lease run out unsettled, rather than released; a claim
-// that makes a record, even in place of a forgotten or expired one, never
-// does. When the late owner releases while claims race to take over, the
-// winner's answer agrees with whichever came first.
+// abandonedTakeover checks Claim.Abandoned. A claim that takes a record over
+// reports Abandoned when the previous attempt's lease ran out with the
+// record unsettled, and not when the previous owner released the record. A
+// claim that makes a record never reports it, even where a forgotten or
+// expired record was. When the late owner releases while claims race to
+// take the record over, the winner reports Abandoned exactly when its claim
+// came before the release, which is when the release is fenced.
 func abandonedTakeover(e *env) {
 	fp := fingerprint("a")
 	short := func(label string) (idempotency.ClaimRequest, idempotency.Claim) {
@@ -64,16 +66,19 @@ func abandonedTakeover(e *env) {
 		}
 		w := e.requireOneOwner(reqs, cs, what)
 		e.requireOwner(cs[w], 2, r.req.OperationID, what+": the winner")
-		// Fenced: a claim took the record over before the release, while it
-		// was abandoned; otherwise the release came first.
+		// A fenced Release means a claim took the record over first, while
+		// it was abandoned; a Release that succeeded came first, and the
+		// winner took over a released record.
 		e.requireAbandoned(cs[w], err != nil, fmt.Sprintf("%s: the winner, the late owner's Release returning %v", what, err))
 	}
 }
 
-// 15. Abandon gives the record up unsettled: it stays
-// in flight, listed as abandoned, and the next claim takes it over at once
-// as an abandoned record, with the same operation ID. The owner that gave it
-// up is fenced from then on, and cannot give up its successor's lease.
+// giveUpLease checks that Abandon gives the record up without settling it:
+// the record stays in flight and is listed by Abandoned, and the next claim
+// takes it over at once, without waiting for the lease, as an abandoned
+// record under the same operation ID; exactly one of many concurrent claims
+// does. The owner that gave the record up is fenced from then on, so it
+// cannot abandon its successor's lease either.
 func giveUpLease(e *env) {
 	k, fp := e.key("give-up"), fingerprint("a")
 	first := request(k, fp)
@@ -105,10 +110,11 @@ func giveUpLease(e *env) {
 	e.requireReplay(request(k, fp), first.OperationID, want, "claim after the third owner completed")
 }
 
-// 16. Abandoned lists the records in flight whose lease ran out, each once
-// with its fingerprint, and no other: not one under a live or renewed lease,
-// completed, released, or past its retention, nor one since taken over or
-// settled by its late owner. It returns at most limit records.
+// abandonedListing checks that Store.Abandoned lists every record in flight
+// whose lease ran out, once, with its fingerprint, and no other record: not
+// one whose lease is live or was renewed, nor one completed, released or
+// past its retention, nor one since taken over or settled by its late
+// owner. It returns at most limit records.
 func abandonedListing(e *env) {
 	type record struct {
 		req   idempotency.ClaimRequest
@@ -135,8 +141,8 @@ func abandonedListing(e *env) {
 	released := newRecord("released", e.lease, longRetention)
 	e.release(released.req.Key, released.owner.Token, "the released record's owner")
 	kept := slices.Clone(keys)
-	// Made last, so that it is kept a lease's length past the first wait,
-	// and surely not past the second.
+	// Made last, with a retention one lease longer than the wait below: the
+	// record is still kept after that wait and gone after the second one.
 	expiring := newRecord("expiring", e.lease, e.lease+e.past)
 	e.wait(e.past)
 
@@ -149,7 +155,8 @@ func abandonedListing(e *env) {
 	const limit = 2
 	list, err := e.store.Abandoned(e.ctx, limit)
 	require.NoError(e.t, err, "Abandoned(%d)", limit)
-	// Other cases' records may fill the page: only the bounds hold.
+	// The store may hold other cases' abandoned records, which can fill the
+	// page, so only the page's bounds and this case's entries are checked.
 	require.NotEmpty(e.t, list, "Abandoned(%d), with %d records of this case abandoned", limit, len(want))
 	require.LessOrEqual(e.t, len(list), limit, "Abandoned(%d)", limit)
 	for _, a := range list {
@@ -159,12 +166,13 @@ func abandonedListing(e *env) {
 		}
 	}
 
-	// A sweeper claims with what the listing gave.
+	// A sweeper claims a listed record with the fingerprint the listing gave.
 	swept := abandoned[0].req.Key
 	c := e.own(idempotency.ClaimRequest{Key: swept, Fingerprint: got[swept], OperationID: "op-sweeper",
 		Lease: longLease, Retention: longRetention}, 2, abandoned[0].req.OperationID, "a sweeper's claim of a listed record")
 	e.requireAbandoned(c, true, "a sweeper's claim of a listed record")
-	// Late owners keep their tokens until taken over.
+	// The owners of abandoned records that no claim took over still hold the
+	// current token, so they can still complete or release.
 	e.complete(abandoned[1].req.Key, abandoned[1].owner.Token, resp, "a late owner")
 	e.release(abandoned[2].req.Key, abandoned[2].owner.Token, "a late owner")
 	still := map[idempotency.Key]idempotency.Fingerprint{abandoned[3].req.Key: abandoned[3].req.Fingerprint}

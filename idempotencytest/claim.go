@@ -10,8 +10,9 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// 1. A claim on no record creates it: the caller owns it, at attempt 1,
-// under the operation ID it brought.
+// claimCreatesRecord checks that a claim of a key that has no record
+// creates the record and makes the caller its owner, at attempt 1, under the
+// operation ID the claim brought. Another key gets a record of its own.
 func claimCreatesRecord(e *env) {
 	req := request(e.key("fresh"), fingerprint("a"))
 	e.own(req, 1, req.OperationID, "first claim")
@@ -21,8 +22,10 @@ func claimCreatesRecord(e *env) {
 	e.own(other, 1, other.OperationID, "first claim of another key")
 }
 
-// 2. While the owner's lease is live, every other claim, watching or not,
-// finds the record in flight and changes nothing.
+// inFlightWhileLeaseLive checks that while the owner's lease is live, every
+// other claim of the record, watching or not, is answered InFlight and
+// changes nothing: the owner can still renew and complete the record, and
+// its response is replayed.
 func inFlightWhileLeaseLive(e *env) {
 	k, fp := e.key("inflight"), fingerprint("a")
 	first := request(k, fp)
@@ -38,8 +41,11 @@ func inFlightWhileLeaseLive(e *env) {
 	e.requireReplay(request(k, fp), first.OperationID, want, "claim after completion")
 }
 
-// 3. A claim with another fingerprint is a mismatch whatever the record's
-// state, and takes nothing from the record's request.
+// fingerprintMismatch checks that a claim whose fingerprint differs from the
+// record's is answered Mismatch whether the record is in flight, completed
+// or released, and leaves the record as it was: a later claim with the
+// record's fingerprint still gets the replay, or takes the released record
+// over under its operation ID.
 func fingerprintMismatch(e *env) {
 	fp, other := fingerprint("a"), fingerprint("b")
 	want := idempotency.Response{Status: http.StatusCreated, Body: []byte("done")}
@@ -72,9 +78,11 @@ func fingerprintMismatch(e *env) {
 	})
 }
 
-// 11. Of many concurrent claims of a fresh key, exactly one becomes the
-// owner, with its own operation ID; the others find it in flight, or a
-// mismatch when their request differs.
+// concurrentClaims checks that of many concurrent claims of a key that has
+// no record, exactly one becomes the owner, at attempt 1 under its own
+// operation ID, and every other one is answered InFlight, or Mismatch when
+// its fingerprint differs from the owner's. It races claims for one key, for
+// many keys at once, and with two different requests for one key.
 func concurrentClaims(e *env) {
 	fp := fingerprint("a")
 	e.run("OneKey", func(e *env) {
@@ -107,15 +115,19 @@ func concurrentClaims(e *env) {
 	})
 }
 
-// 13. Every Key is a record of its own: the scope separates equal names,
-// and no choice of characters in scope or name makes two keys meet.
+// keysAndScopes checks that every distinct Key has a record of its own:
+// equal names in different scopes do not share a record, and no characters
+// in scope or name (separators, Redis hash-tag braces, SQL quotes and
+// patterns, non-ASCII text, a name of MaxKeyLength) make two keys reach the
+// same record.
 func keysAndScopes(e *env) {
 	u := rand.Text() // keeps the keys apart from earlier runs on a shared store
 	keys := []idempotency.Key{
 		{Scope: u, Name: "n"},
 		{Scope: u + "-other", Name: "n"},
 		{Scope: "", Name: u + "-n"},
-		// Pairs that would meet if scope and name were joined with ':'.
+		// Pairs that would share a record if scope and name were joined
+		// with ':'.
 		{Scope: u + "a:b", Name: "c"},
 		{Scope: u + "a", Name: "b:c"},
 		{Scope: u + ":", Name: "n"},
@@ -136,8 +148,8 @@ func keysAndScopes(e *env) {
 	responses := make([]idempotency.Response, len(keys))
 	for i, k := range keys {
 		require.NoError(e.t, k.Validate(), "key %d %q", i, k)
-		// A fingerprint of its own: a record reached through another key
-		// shows up as a mismatch.
+		// Each key has a fingerprint of its own, so a claim that reaches
+		// another key's record is answered Mismatch.
 		reqs[i] = request(k, fingerprint(fmt.Sprint(i)))
 		owners[i] = e.own(reqs[i], 1, reqs[i].OperationID, fmt.Sprintf("first claim of key %d %q", i, k))
 		responses[i] = idempotency.Response{Status: http.StatusCreated,

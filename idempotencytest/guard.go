@@ -13,9 +13,11 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// 12. A Guard over the store runs an operation once for many concurrent
-// callers, and runs it again, as a takeover of the same operation, after it
-// failed.
+// guard checks a Guard over the store. Many concurrent Do calls with one key
+// run the operation once and all get its response, all but one as a replay.
+// After the operation fails, the next Do runs it again as a takeover of the
+// same operation: the same operation ID, attempt 2 and a greater token; a
+// later Do replays it. A Do with another fingerprint fails with ErrMismatch.
 func guard(e *env) {
 	// The long recheck interval leaves the store's wake-ups as the only way a
 	// waiter learns the outcome in time.

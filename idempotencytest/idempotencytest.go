@@ -43,6 +43,9 @@ type Harness struct {
 // not reading C when it comes; Subscription.Close may be called more than
 // once. Tokens are compared only within one key.
 func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
+	// The cases run in this order. Each one's doc comment states the clause
+	// of the contract it checks; the files claim.go, settle.go, lease.go,
+	// retention.go, wakeup.go, guard.go and abandoned.go group them by topic.
 	cases := []struct {
 		name string
 		run  func(*env)

@@ -13,10 +13,12 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// 5. Once the owner's lease has run out, the same request takes the record
-// over: attempt 2, the same operation ID, a greater token; exactly one of
-// many concurrent claims does. An owner whose lease ran out but whom nobody
-// took over still holds the current token.
+// takeoverAfterLeaseExpiry checks that once the owner's lease has run out, a
+// claim with the record's fingerprint takes the record over: attempt 2, the
+// same operation ID, a greater token, and exactly one winner among many
+// concurrent claims. A claim with another fingerprint is still answered
+// Mismatch. An owner whose lease ran out but whose record no claim took over
+// still holds the current token and can complete the record.
 func takeoverAfterLeaseExpiry(e *env) {
 	fp := fingerprint("a")
 	shortClaim := func(label string) (idempotency.ClaimRequest, idempotency.Claim) {
@@ -46,9 +48,11 @@ func takeoverAfterLeaseExpiry(e *env) {
 	e.requireReplay(request(late.Key, fp), late.OperationID, want, "claim after the late owner completed")
 }
 
-// 8. A heartbeat sets the owner's lease to a full lease from the heartbeat:
-// the record stays in flight past the original lease, until the renewed one
-// runs out.
+// heartbeatExtendsLease checks that Heartbeat sets the owner's lease to the
+// duration it is given, counted from the heartbeat: the record stays in
+// flight past the end of the original lease, until the renewed lease runs
+// out. Then a claim takes the record over, and the first owner's Heartbeat
+// is fenced.
 func heartbeatExtendsLease(e *env) {
 	k, fp := e.key("heartbeat"), fingerprint("a")
 	first := request(k, fp)
@@ -57,8 +61,8 @@ func heartbeatExtendsLease(e *env) {
 	e.wait(e.lease / 2)
 	require.NoError(e.t, e.store.Heartbeat(e.ctx, k, c1.Token, 2*e.lease), "the owner's Heartbeat")
 	e.wait(e.lease)
-	// At least a lease has passed since the heartbeat: at most one of its two
-	// leases is left.
+	// The heartbeat renewed the lease for two leases' length and at least one
+	// has passed since, so at most one lease is left.
 	e.requireInFlight(request(k, fp), e.lease, "claim after the original lease ran out, within the renewed one")
 	e.wait(e.past)
 	c2 := e.own(request(k, fp), 2, first.OperationID, "claim after the renewed lease ran out")
@@ -69,18 +73,22 @@ func heartbeatExtendsLease(e *env) {
 
 // silenceLease is the lease of the owner whose store falls silent: long
 // enough for a renewal or two on a busy machine, short enough for the case
-// to run in real time, as the owner's timer does whatever the store's clock.
+// to run in real time. The case always runs in real time, even when the
+// harness moves the store's clock, because the Guard's lease timer follows
+// the real clock.
 const silenceLease = 600 * time.Millisecond
 
-// returnBound is how soon after its operation ends, with the lease lost, Do
-// must return: it makes no store call then, so this is scheduling slack.
+// returnBound is how long Do may take to return after the operation has
+// returned once the lease is lost. Do makes no store call then, so the bound
+// only allows for scheduling delays.
 const returnBound = 250 * time.Millisecond
 
-// silentStore passes calls to the store under test until silence is called;
-// from then on every call blocks, until its context ends or, with forever,
-// until the case ends, as on a partitioned connection seen by a client that
-// honours deadlines or by one that does not. It records when each call it
-// passed was made, the latest of those confirmed.
+// silentStore passes calls through to the store under test until silence is
+// called. From then on every call blocks and then fails with ErrUnavailable:
+// until its context ends, like a partitioned connection on a client that
+// honours deadlines, or, with forever, until the case ends, like one on a
+// client that does not. It records when the last call that succeeded was
+// sent.
 type silentStore struct {
 	idempotency.Store
 	forever bool
@@ -144,11 +152,14 @@ func (s *silentStore) Heartbeat(ctx context.Context, k idempotency.Key, token ui
 	return s.call(ctx, func() error { return s.Store.Heartbeat(ctx, k, token, lease) })
 }
 
-// 17. An owner whose store stops answering stops on its own: its operation's
-// context is done within the lease of the last call the store confirmed, Do
-// returns right after the operation does, and a second Guard on the store
-// becomes the owner only after that. The store falls silent while the
-// operation runs, once before its first renewal and once after it.
+// silentStoreStopsOwner checks that a Guard whose store stops answering
+// stops its owner on its own: the operation's context ends, with ErrFenced
+// as its cause, less than one lease after the last call the store confirmed
+// was sent; Do returns ErrFenced right after the operation returns; and a
+// second Guard on the same store becomes the owner only after the first
+// owner's context has ended. The store falls silent while the operation
+// runs, either before the first renewal or after it, and its silent calls
+// block either until their deadline or for good.
 func silentStoreStopsOwner(e *env) {
 	for _, forever := range []bool{false, true} {
 		for _, renewed := range []bool{false, true} {
@@ -192,9 +203,10 @@ func (e *env) silentOwner(forever, renewed bool) {
 	}
 	silent.silence()
 
-	// B tries every 20ms. On a store whose clock the harness moves, the
-	// store's lease cannot run out while A runs, so B is tried only once A
-	// has stopped and the clock is moved: there the case checks A's timing.
+	// B tries to take the record every 20ms while A runs. When the harness
+	// moves the store's clock, A's lease in the store cannot run out while
+	// A runs, so B tries only after A has stopped and the clock has been
+	// moved; on such a store the case checks A's timing alone.
 	var bStarted time.Time
 	bWant := idempotency.Response{Status: http.StatusCreated, Body: []byte("B")}
 	tryB := func() bool {

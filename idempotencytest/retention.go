@@ -7,9 +7,11 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// 9. A record is gone once its retention has passed, completed or still in
-// flight; the key's next token is still greater than every earlier one, so
-// an owner from before the expiry is fenced on the record made again.
+// retention checks that a record is gone once its retention has passed,
+// whether it was completed or still in flight: the next claim, with any
+// fingerprint, makes a new record at attempt 1. The new record's token is
+// greater than every earlier token of the key, so the owner of the expired
+// record is fenced on the new one.
 func retention(e *env) {
 	fp := fingerprint("a")
 	done := request(e.key("completed"), fp)
@@ -38,8 +40,10 @@ func retention(e *env) {
 	e.requireReplay(request(flight.Key, fp), again.OperationID, want, "claim after the recreated record completed")
 }
 
-// A takeover near the end of a record's retention must not lose the record
-// while the new owner runs: the claim's retention applies from the takeover.
+// takeoverExtendsRetention checks that a takeover restarts the record's
+// retention from the takeover, with the taking claim's retention: a record
+// taken over shortly before its retention ran out is kept while the new
+// owner runs, and the new owner's response is replayed.
 func takeoverExtendsRetention(e *env) {
 	fp := fingerprint("a")
 	first := request(e.key("late-takeover"), fp)

@@ -7,9 +7,11 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// 4. A completed record replays exactly the stored response: status, every
-// header value in order, the body byte for byte, under the operation ID of
-// its first claim.
+// completeThenReplay checks that a claim of a completed record replays
+// exactly the response the owner stored, under the operation ID of the first
+// claim: the status, every header value in order, and the body byte for
+// byte, for binary, empty and large bodies. The store keeps its own copy,
+// so the caller may overwrite its buffers after Complete.
 func completeThenReplay(e *env) {
 	binary := make([]byte, 0, 261)
 	for i := range 256 {
@@ -60,9 +62,12 @@ func completeThenReplay(e *env) {
 	}
 }
 
-// 6. After a release the next claim takes over with the same operation ID;
-// after a release with forget the key is free for any request, which gets a
-// new record and its own operation ID.
+// releaseThenClaim checks that after Release the next claim becomes the
+// owner at the next attempt, with the same operation ID and a greater token,
+// and that exactly one of many concurrent claims does. After Forget the
+// record is gone: a claim with any fingerprint makes a new record at
+// attempt 1 under its own operation ID, with a token greater than every
+// earlier one of the key, and the forgotten record's owner is fenced.
 func releaseThenClaim(e *env) {
 	e.run("Release", func(e *env) {
 		k, fp := e.key("release"), fingerprint("a")
@@ -93,8 +98,11 @@ func releaseThenClaim(e *env) {
 	})
 }
 
-// 7. Only the current owner's token changes a record; every other token is
-// fenced and changes nothing.
+// fencing checks that only the current owner's token changes a record.
+// Heartbeat, Complete, Abandon, Release and Forget are refused with
+// ErrFenced, and change nothing, for the token of an owner that was taken
+// over or has already completed or released, for a token of a key that has
+// no record, for token 0, and for a token of another key.
 func fencing(e *env) {
 	fp := fingerprint("a")
 	want := idempotency.Response{Status: http.StatusCreated, Body: []byte("the owner's")}

@@ -9,8 +9,11 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// 10. Subscribers of a record are woken when a watched record is settled,
-// and a closed subscription is not.
+// wakeUp checks that the subscribers of a watched record are woken when the
+// record is settled by Complete, Release or Forget, and that a claim after
+// the wake-up sees the outcome: the replay, or ownership of the record. A
+// wake-up is kept for a subscriber that is not reading C when it comes. A
+// closed subscription is not woken, and Close may be called twice.
 func wakeUp(e *env) {
 	fp := fingerprint("a")
 	want := idempotency.Response{Status: http.StatusCreated, Body: []byte("settled")}
@@ -28,8 +31,9 @@ func wakeUp(e *env) {
 		return first, owner, watch, subs
 	}
 	// settle runs f in another goroutine, as another process's owner would,
-	// and returns its error once it is done. Subscribers read C only then:
-	// a wake-up must be kept for a waiter that is busy at that moment.
+	// and returns its error once f is done. The subscribers read C only
+	// after that, so the store must keep a wake-up for a subscriber that is
+	// not reading C when it comes.
 	settle := func(f func() error) error {
 		errc := make(chan error, 1)
 		go func() { errc <- f() }()
@@ -67,8 +71,8 @@ func wakeUp(e *env) {
 		closed.Close() // Close may be called again, as a deferred Close often is
 		e.complete(first.Key, owner.Token, want, "the owner")
 		e.requireState(idempotency.Completed, e.awaitSettled(open, watch, "the open subscription"), "the open subscription")
-		// The open subscription's wake-up has arrived; the closed one's
-		// would have come with it.
+		// The open subscription has been woken, so a wake-up sent to the
+		// closed one would have arrived by now: it must not receive one.
 		select {
 		case _, ok := <-closed.C():
 			require.False(e.t, ok, "a closed subscription was woken")
