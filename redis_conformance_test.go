@@ -10,6 +10,7 @@ import (
 
 	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/idempotencytest"
+	"github.com/idempotency-go/idempotency/internal/migrationtest"
 	"github.com/idempotency-go/idempotency/internal/testserver"
 )
 
@@ -74,7 +75,7 @@ func TestRedisStoreConformance(t *testing.T) {
 
 // Moving a service from the memory store to Redis without a gap.
 func TestMigrationToRedis(t *testing.T) {
-	idempotencytest.RunMigration(t, idempotency.NewMemoryStore(idempotency.MemoryOptions{}), miniredisHarness(t).Store)
+	migrationtest.Run(t, idempotency.NewMemoryStore(idempotency.MemoryOptions{}), miniredisHarness(t).Store)
 }
 
 // A MigratingStore is a Store like any other: the whole suite runs on one

@@ -13,6 +13,7 @@ import (
 
 	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/idempotencytest"
+	"github.com/idempotency-go/idempotency/internal/migrationtest"
 	"github.com/idempotency-go/idempotency/internal/testserver"
 	"github.com/idempotency-go/idempotency/postgres"
 	"github.com/jackc/pgx/v5"
@@ -68,7 +69,7 @@ func TestStore(t *testing.T) {
 			old, _ := f.store(t)
 			redis := idempotency.NewRedisStore(testserver.StartRedis(t).Client(), idempotency.RedisOptions{})
 			t.Cleanup(func() { redis.Close() })
-			idempotencytest.RunMigration(t, old, redis)
+			migrationtest.Run(t, old, redis)
 		}},
 	}
 	for _, c := range cases {

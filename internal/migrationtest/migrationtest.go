@@ -1,4 +1,7 @@
-package idempotencytest
+// Package migrationtest checks idempotency.MigratingStore between two real
+// stores. Only this module's own tests use it (the memory store to Redis,
+// PostgreSQL to Redis), so it is kept out of the public API.
+package migrationtest
 
 import (
 	"context"
@@ -16,12 +19,23 @@ import (
 	"github.com/idempotency-go/idempotency"
 )
 
-// RunMigration checks a MigratingStore from old to new, as a service moves
-// between them: what old already holds is honoured and nothing runs twice;
-// new keys land in new (and, with DualWrite, in old too, so that instances
-// still on old alone agree). old and new must be empty of the keys it uses;
-// it uses unique keys, so shared stores are fine.
-func RunMigration(t *testing.T, old, new idempotency.Store) {
+// Run checks a MigratingStore from old to new, as a service moves from one
+// store to the other, in subtests of t:
+//
+//   - HonoursOldRecords: a record old already holds is honoured through the
+//     MigratingStore. A completed one is replayed, without running the
+//     operation again, and copied to new; a request with another fingerprint
+//     is refused with ErrMismatch; one in flight is waited for and then
+//     replayed; a released one runs again as attempt 2 under its operation ID.
+//   - NewKeys/DualWrite=false and NewKeys/DualWrite=true: concurrent callers
+//     of a key neither store holds run its operation once. The record lands in
+//     new; with DualWrite it lands in old too, so that instances still on old
+//     alone, calling while the operation runs, wait for it instead of running
+//     it again; without DualWrite old has no record of the key.
+//
+// Every key is unique to the run, so old and new may be shared with other
+// tests.
+func Run(t *testing.T, old, new idempotency.Store) {
 	t.Run("HonoursOldRecords", func(t *testing.T) { migrationHonoursOld(t, old, new) })
 	for _, dual := range []bool{false, true} {
 		t.Run(fmt.Sprintf("NewKeys/DualWrite=%v", dual), func(t *testing.T) { migrationNewKeys(t, old, new, dual) })
