@@ -1,14 +1,12 @@
 package idempotency
 
 import (
-	"cmp"
 	"context"
 	"crypto/sha1"
 	_ "embed"
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -215,62 +213,6 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 // client. Waiters still waiting fall back to re-reading on a timer.
 func (s *RedisStore) Close() error { return s.waiters.close() }
 
-// buckets is the number of hash tags records are spread over. Records share
-// a tag with their bucket's token sequence and in-flight index, so a claim
-// is one script on one slot; 1024 tags still spread records over every
-// master of a cluster, and a sweep reads 1024 small indexes, whatever the
-// number of records kept.
-const buckets = 1024
-
-// bucketKeys are the keys the records of one bucket share: its token
-// sequence and its in-flight index. They are boxed once, since every script
-// call sends them and boxing a string allocates.
-type bucketKeys struct{ seq, leases any }
-
-// recordKey returns the key of k's record, and the keys of its bucket. The
-// scope is length-prefixed, so no (scope, name) pair can be spelled as
-// another, and the spelling parses back (see parseRecordName).
-func (s *RedisStore) recordKey(k Key) (string, *bucketKeys) {
-	bucket := bucketOf(k)
-	b := make([]byte, 0, len(s.prefix)+len(k.Scope)+len(k.Name)+16)
-	b = s.appendTag(b, bucket)
-	b = strconv.AppendInt(b, int64(len(k.Scope)), 10)
-	b = append(append(append(append(b, ':'), k.Scope...), ':'), k.Name...)
-	return string(b), &s.buckets[bucket]
-}
-
-func parseRecordName(s string) (Key, bool) {
-	n, rest, ok := strings.Cut(s, ":")
-	l, err := strconv.Atoi(n)
-	if !ok || err != nil || l < 0 || len(rest) < l+1 || rest[l] != ':' {
-		return Key{}, false
-	}
-	return Key{Scope: rest[:l], Name: rest[l+1:]}, true
-}
-
-// bucketTag is the prefix, hash tag included, of a bucket's keys.
-func (s *RedisStore) bucketTag(bucket uint32) string {
-	return string(s.appendTag(nil, bucket))
-}
-
-func (s *RedisStore) appendTag(b []byte, bucket uint32) []byte {
-	b = append(append(b, s.prefix...), '{')
-	return append(strconv.AppendUint(b, uint64(bucket), 10), "}:"...)
-}
-
-func bucketOf(k Key) uint32 {
-	// FNV-1a: stable across processes and versions. Collisions only share a
-	// bucket; the key itself below is unambiguous.
-	h := uint32(2166136261)
-	for _, part := range [2]string{k.Scope, k.Name} {
-		for i := 0; i < len(part); i++ {
-			h = (h ^ uint32(part[i])) * 16777619
-		}
-		h *= 16777619
-	}
-	return h % buckets
-}
-
 // Claim implements Store. With RedisOptions.Replicas set, a claim that
 // makes the caller the owner is confirmed by as many replicas before it is
 // returned. When it is not, the operation must not run, since a failover
@@ -285,12 +227,8 @@ func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error)
 		return Claim{}, fmt.Errorf("idempotency: operation ID of %d bytes, want 1..255", l)
 	}
 	rec, bk := s.recordKey(req.Key)
-	watch := "0"
-	if req.Watch {
-		watch = "1"
-	}
 	args := append(s.scripts.claim.args("3", 8), rec, bk.seq, bk.leases, string(req.Fingerprint[:]), req.OperationID,
-		req.Lease.Milliseconds(), req.Retention.Milliseconds(), watch)
+		req.Lease.Milliseconds(), req.Retention.Milliseconds(), luaBool(req.Watch))
 	cmd, unconfirmed := s.eval(ctx, s.scripts.claim, args, func(cmd *redis.Cmd) bool {
 		switch v := cmd.Val().(type) {
 		case int64:
@@ -321,12 +259,11 @@ func (s *RedisStore) giveUp(ctx context.Context, k Key, c Claim) {
 		_ = s.Abandon(ctx, k, c.Token)
 		return
 	}
-	// Not Release: its wait for replicas would fail as the claim's did.
-	forget := "0"
-	if c.Attempt == 1 {
-		forget = "1"
-	}
-	_ = s.scripts.release.run(ctx, s.c, s.releaseArgs(k, c.Token, forget))
+	// Not Release or Forget: their wait for replicas would fail as the
+	// claim's did. A record this claim made is deleted, one it took over
+	// released.
+	made := c.Attempt == 1
+	_ = s.scripts.release.run(ctx, s.c, s.releaseArgs(k, c.Token, made))
 }
 
 // eval runs sc with args (made by sc.args), which name one record, through
@@ -443,7 +380,7 @@ func parseClaim(reply any, id string) (Claim, error) {
 		if err := errors.Join(err1, err2); err != nil {
 			return Claim{}, err
 		}
-		return Claim{State: Owner, OperationID: str(1), Attempt: attempt, Token: token, Abandoned: str(4) == "1"}, nil
+		return Claim{State: Owner, OperationID: str(1), Attempt: attempt, Token: token, Abandoned: str(4) == luaBool(true)}, nil
 	case "inflight":
 		ms, err := strconv.ParseInt(str(1), 10, 64)
 		return Claim{State: InFlight, LeaseLeft: time.Duration(ms) * time.Millisecond}, err
@@ -451,26 +388,6 @@ func parseClaim(reply any, id string) (Claim, error) {
 		return Claim{State: Mismatch}, nil
 	}
 	return Claim{}, fmt.Errorf("unexpected claim reply %q", reply)
-}
-
-// completedClaim reads a completed record (see lua/record.lua).
-func completedClaim(rec string) (Claim, error) {
-	const head = 1 + len(Fingerprint{}) + 1
-	if len(rec) < head || rec[0] != 'c' || len(rec) < head+int(rec[head-1]) {
-		return Claim{}, fmt.Errorf("unexpected claim reply %q", rec)
-	}
-	end := head + int(rec[head-1])
-	n, err := wire.HeadLen(rec[end:])
-	if err != nil {
-		return Claim{}, err
-	}
-	// One copy holds the operation ID and the response's head, whose
-	// strings are cut from it; not the body, which it would keep alive.
-	kept := strings.Clone(rec[head : end+n])
-	c := Claim{State: Completed, OperationID: kept[:end-head]}
-	c.Response.Status, c.Response.Header = wire.ParseHead(kept[end-head:])
-	c.Response.Body = []byte(rec[end+n:])
-	return c, nil
 }
 
 // Complete implements Store. With RedisOptions.Replicas set, a completion
@@ -488,21 +405,29 @@ func (s *RedisStore) Complete(ctx context.Context, k Key, token uint64, resp Res
 // confirmed by as many replicas returns ErrUnavailable, though the master
 // keeps it.
 func (s *RedisStore) Release(ctx context.Context, k Key, token uint64) error {
-	cmd, unconfirmed := s.eval(ctx, s.scripts.release, s.releaseArgs(k, token, "0"), nil)
+	cmd, unconfirmed := s.eval(ctx, s.scripts.release, s.releaseArgs(k, token, false), nil)
 	return settled("release", cmd, unconfirmed)
 }
 
 // Forget implements Store, as Release does.
 func (s *RedisStore) Forget(ctx context.Context, k Key, token uint64) error {
-	cmd, unconfirmed := s.eval(ctx, s.scripts.release, s.releaseArgs(k, token, "1"), nil)
+	cmd, unconfirmed := s.eval(ctx, s.scripts.release, s.releaseArgs(k, token, true), nil)
 	return settled("forget", cmd, unconfirmed)
 }
 
-// releaseArgs runs release.lua for the owner of token; forget is "1" to
-// delete the record, "0" to release it.
-func (s *RedisStore) releaseArgs(k Key, token uint64, forget string) []any {
+// releaseArgs runs release.lua for the owner of token: it deletes the
+// record with forget, and releases it otherwise.
+func (s *RedisStore) releaseArgs(k Key, token uint64, forget bool) []any {
 	rec, bk := s.recordKey(k)
-	return append(s.scripts.release.args("2", 5), rec, bk.leases, strconv.FormatUint(token, 10), forget, s.publish)
+	return append(s.scripts.release.args("2", 5), rec, bk.leases, strconv.FormatUint(token, 10), luaBool(forget), s.publish)
+}
+
+// luaBool is a flag as the scripts read and write them.
+func luaBool(b bool) string {
+	if b {
+		return "1"
+	}
+	return "0"
 }
 
 // settled is the outcome of a settling script run by eval.
@@ -561,11 +486,7 @@ func (s *RedisStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecor
 	if err != nil {
 		return nil, unavailable("abandoned", err)
 	}
-	type due struct {
-		AbandonedRecord
-		deadline int64
-	}
-	var all []due
+	var all []dueRecord
 	for b, cmd := range cmds {
 		v, _ := cmd.(*redis.Cmd).Slice()
 		tag := s.bucketTag(uint32(b))
@@ -577,15 +498,10 @@ func (s *RedisStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecor
 			if !ok || err != nil || len(fp) != len(Fingerprint{}) || !strings.HasPrefix(rec, tag) {
 				return nil, unavailable("abandoned", fmt.Errorf("unexpected entry %q in %sleases", rec, tag))
 			}
-			all = append(all, due{AbandonedRecord{Key: k, Fingerprint: Fingerprint([]byte(fp))}, deadline})
+			all = append(all, dueRecord{AbandonedRecord{Key: k, Fingerprint: Fingerprint([]byte(fp))}, deadline})
 		}
 	}
-	slices.SortFunc(all, func(a, b due) int { return cmp.Compare(a.deadline, b.deadline) })
-	out := make([]AbandonedRecord, 0, min(limit, len(all)))
-	for _, d := range all[:cap(out)] {
-		out = append(out, d.AbandonedRecord)
-	}
-	return out, nil
+	return oldestFirst(all, limit), nil
 }
 
 // fenced maps a script's FENCED reply to ErrFenced and any other failure to

@@ -40,23 +40,6 @@ func newRedisStore(t *testing.T, c redis.UniversalClient) *RedisStore {
 	return s
 }
 
-func TestRedisKeyLayout(t *testing.T) {
-	s := NewRedisStore(nil, RedisOptions{Prefix: "p:"})
-	rec, bk := s.recordKey(Key{Scope: "acct:1", Name: "k}{x"})
-	tag := rec[:strings.IndexByte(rec, '}')+1]
-	assert.True(t, strings.HasPrefix(rec, "p:{"), rec)
-	for _, key := range []any{bk.seq, bk.leases} {
-		assert.True(t, strings.HasPrefix(key.(string), tag), "record %q and %q must share a hash tag", rec, key)
-	}
-
-	// A scope that ends like a name starts cannot pass for another pair.
-	a, _ := s.recordKey(Key{Scope: "a:1", Name: "b"})
-	b, _ := s.recordKey(Key{Scope: "a", Name: "1:b"})
-	assert.NotEqual(t, a, b)
-
-	assert.Panics(t, func() { NewRedisStore(nil, RedisOptions{Prefix: "x{"}) })
-}
-
 // The client's type decides how waiters are woken: a ClusterClient gets
 // sharded pub/sub, and a Sentinel failover client, a *redis.Client, plain
 // pub/sub on its one master. Nothing here connects.

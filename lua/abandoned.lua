@@ -9,11 +9,11 @@ local out = {}
 local due = redis.call('ZRANGEBYSCORE', leases, '-inf', t, 'LIMIT', 0, tonumber(ARGV[1]))
 for _, rec in ipairs(due) do
   local v = redis.call('GET', rec)
-  if v and string.byte(v) == 112 then
+  if v and state(v) == IN_FLIGHT then
     local _, deadline = decode(v)
     if tonumber(deadline) <= t then
       out[#out + 1] = rec
-      out[#out + 1] = string.sub(v, 2, 33)
+      out[#out + 1] = fingerprint(v)
       out[#out + 1] = deadline
     end
   else

@@ -7,8 +7,8 @@
 -- so that settling publishes).
 -- Replies, the common ones the smallest: a new record, its token (an
 -- integer); completed, the record itself (a string); otherwise an array:
--- {'owner', operation ID, attempt, token, x}, {'inflight', ms left} or
--- {'mismatch'}.
+-- {'owner', operation ID, attempt, token, abandoned}, {'inflight', ms left}
+-- or {'mismatch'}.
 local rec, seq, leases = KEYS[1], KEYS[2], KEYS[3]
 local fp, id, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
 
@@ -18,42 +18,42 @@ if not v then
   -- after a record expires and is made again: fencing survives expiry.
   local token = redis.call('INCR', seq)
   local deadline = string.format('%d', now() + lease)
-  redis.call('SET', rec, encode('p', fp, id, deadline, string.format('%d', token), '1', '0', '0', ''), 'PX', ARGV[4])
+  redis.call('SET', rec, encode(IN_FLIGHT, fp, id, deadline, string.format('%d', token), '1', '0', '0', ''), 'PX', ARGV[4])
   redis.call('ZADD', leases, deadline, rec)
   return token
 end
-if string.sub(v, 2, 33) ~= fp then
+if fingerprint(v) ~= fp then
   return {'mismatch'}
 end
-local state = string.sub(v, 1, 1)
-if state == 'c' then
+local st = state(v)
+if st == COMPLETED then
   -- Replays cost no clock read.
   return v
 end
-local op, deadline, token, attempt, x, w, by = decode(v)
-if state == 'p' and (by == '' and op or by) == id then
+local op, deadline, token, attempt, abandoned, waited, claimer = decode(v)
+if st == IN_FLIGHT and (claimer == '' and op or claimer) == id then
   -- This very claim ran before and its reply was lost (a client retries a
   -- script after a network error): the caller is the owner already.
-  return {'owner', op, attempt, token, x}
+  return {'owner', op, attempt, token, abandoned}
 end
 local t = now()
-local abandoned = '0'
-if state == 'p' then
+if st == IN_FLIGHT then
   local left = tonumber(deadline) - t
   if left > 0 then
-    if ARGV[5] == '1' and w == '0' then
-      redis.call('SET', rec, encode(state, fp, op, deadline, token, attempt, x, '1', by), 'KEEPTTL')
+    if ARGV[5] == '1' and waited == '0' then
+      redis.call('SET', rec, encode(st, fp, op, deadline, token, attempt, abandoned, '1', claimer), 'KEEPTTL')
     end
     return {'inflight', string.format('%d', left)}
   end
-  abandoned = '1'
 end
 -- Released, or in flight past its lease: take over. The new token fences
 -- the previous owner off; the operation ID stays, and so do the waiters.
+-- A record still in flight was abandoned by its owner.
+abandoned = st == IN_FLIGHT and '1' or '0'
 token = string.format('%d', redis.call('INCR', seq))
 attempt = string.format('%d', tonumber(attempt) + 1)
 deadline = string.format('%d', t + lease)
-v = encode('p', fp, op, deadline, token, attempt, abandoned, w, id)
+v = encode(IN_FLIGHT, fp, op, deadline, token, attempt, abandoned, waited, id)
 -- The new owner must not lose the record to expiry while it runs.
 if redis.call('PTTL', rec) < tonumber(ARGV[4]) then
   redis.call('SET', rec, v, 'PX', ARGV[4])

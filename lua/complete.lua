@@ -1,17 +1,16 @@
 -- complete: the owner stores its outcome (see Store.Complete).
 -- KEYS[1] the record, KEYS[2] its slot's in-flight index. ARGV: token,
--- encoded response, retention ms, the publish command (PUBLISH, or SPUBLISH
+-- stored response, retention ms, the publish command (PUBLISH, or SPUBLISH
 -- on a cluster).
 local rec = KEYS[1]
-local v, op, _, _, _, w = owned(rec, ARGV[1])
+local v, op, _, _, _, waited = owned(rec, ARGV[1])
 if not v then
   return fenced()
 end
--- State, fingerprint and operation ID stay; the response follows them.
-redis.call('SET', rec, 'c' .. string.sub(v, 2, 34 + #op) .. ARGV[2], 'PX', ARGV[3])
+redis.call('SET', rec, completed(v, op, ARGV[2]), 'PX', ARGV[3])
 redis.call('ZREM', KEYS[2], rec)
 -- Only a registered waiter costs a publish: the happy path pays nothing.
-if w == '1' then
-  redis.call(ARGV[4], rec, 'c')
+if waited == '1' then
+  redis.call(ARGV[4], rec, COMPLETED)
 end
 return 1

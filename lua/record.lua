@@ -1,37 +1,64 @@
--- record: the record's encoding, shared by every script (each script is this
--- file followed by its own).
+-- record: the record's layout, shared by every script (each script is this
+-- file followed by its own). redis_record.go reads the same layout: change
+-- the two together (TestRecordLayout checks that they agree).
 --
 -- A record is one string, so that one GET reads it in any state and one SET
 -- writes it with its expiry:
---   state: one byte, c completed, p in flight, r released;
---   the request's fingerprint: 32 bytes;
---   the operation ID's length: one byte, then the operation ID;
--- then, completed: the encoded response (a replay gets the record whole);
--- in flight or released: "<deadline> <token> <attempt> <x><w> <by>", where
--- deadline is the lease's end (ms, by this server's clock), x is 1 when
--- this owner took over from an abandoned attempt, w is 1 when someone waits
--- (so that settling publishes), and by is the id of the claim that made
--- this owner, empty for the record's maker, whose id is the operation ID.
+--   byte 1: the state, COMPLETED, IN_FLIGHT or RELEASED;
+--   bytes 2-33: the request's fingerprint;
+--   byte 34: the operation ID's length, then the operation ID;
+-- then, completed: the stored response (internal/wire), so that a replay
+-- gets the record whole; in flight or released, the fields
+-- "<deadline> <token> <attempt> <abandoned><waited> <claimer>":
+--   deadline: the lease's end, in ms by this server's clock;
+--   token: the owner's fencing token; attempt: its number, from 1;
+--   abandoned: 1 when this owner took over from an attempt whose lease ran
+--     out unsettled;
+--   waited: 1 when a waiter is registered, so that settling publishes;
+--   claimer: the id of the claim that made this owner, empty for the
+--     record's maker, whose id is the operation ID.
 -- Numbers are written with '%d': Lua's own '%.14g' would round large ones.
 
-local function decode(v)
-  local n = string.byte(v, 34)
-  local deadline, token, attempt, x, w, by = string.match(v, '^(%d+) (%d+) (%d+) (%d)(%d) (.*)$', 35 + n)
-  return string.sub(v, 35, 34 + n), deadline, token, attempt, x, w, by
+local COMPLETED, IN_FLIGHT, RELEASED = 'c', 'p', 'r'
+local FINGERPRINT_FIRST, FINGERPRINT_LAST = 2, 33
+local OP_LEN_AT = 34
+
+local function state(v)
+  return string.sub(v, 1, 1)
 end
 
-local function encode(state, fp, op, deadline, token, attempt, x, w, by)
-  return state .. fp .. string.char(#op) .. op .. deadline .. ' ' .. token .. ' ' .. attempt .. ' ' .. x .. w .. ' ' .. by
+local function fingerprint(v)
+  return string.sub(v, FINGERPRINT_FIRST, FINGERPRINT_LAST)
+end
+
+-- decode returns the operation ID and the fields of a record in flight or
+-- released.
+local function decode(v)
+  local n = string.byte(v, OP_LEN_AT)
+  local deadline, token, attempt, abandoned, waited, claimer =
+    string.match(v, '^(%d+) (%d+) (%d+) (%d)(%d) (.*)$', OP_LEN_AT + 1 + n)
+  return string.sub(v, OP_LEN_AT + 1, OP_LEN_AT + n), deadline, token, attempt, abandoned, waited, claimer
+end
+
+local function encode(st, fp, op, deadline, token, attempt, abandoned, waited, claimer)
+  return st .. fp .. string.char(#op) .. op ..
+    deadline .. ' ' .. token .. ' ' .. attempt .. ' ' .. abandoned .. waited .. ' ' .. claimer
+end
+
+-- completed turns v, a record in flight whose operation ID is op, into the
+-- completed record of response.
+local function completed(v, op, response)
+  return COMPLETED .. string.sub(v, FINGERPRINT_FIRST, OP_LEN_AT + #op) .. response
 end
 
 -- owned reads the record at rec and returns it, decoded, when it is in
 -- flight under token, and nothing otherwise.
 local function owned(rec, token)
   local v = redis.call('GET', rec)
-  if v and string.byte(v) == 112 then
-    local op, deadline, tok, attempt, x, w, by = decode(v)
+  if v and state(v) == IN_FLIGHT then
+    local op, deadline, tok, attempt, abandoned, waited, claimer = decode(v)
     if tok == token then
-      return v, op, deadline, attempt, x, w, by
+      return v, op, deadline, attempt, abandoned, waited, claimer
     end
   end
 end

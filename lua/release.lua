@@ -1,8 +1,9 @@
--- release: the owner ends its attempt without an outcome (see Store.Release).
+-- release: the owner ends its attempt without an outcome (Store.Release),
+-- or deletes the record (Store.Forget).
 -- KEYS[1] the record, KEYS[2] its slot's in-flight index. ARGV: token,
 -- forget ("1": delete the record), the publish command.
 local rec = KEYS[1]
-local v, op, _, attempt, _, w = owned(rec, ARGV[1])
+local v, op, _, attempt, _, waited = owned(rec, ARGV[1])
 if not v then
   return fenced()
 end
@@ -10,11 +11,11 @@ redis.call('ZREM', KEYS[2], rec)
 if ARGV[2] == '1' then
   redis.call('DEL', rec)
 else
-  redis.call('SET', rec, encode('r', string.sub(v, 2, 33), op, '0', '0', attempt, '0', '0', ''), 'KEEPTTL')
+  redis.call('SET', rec, encode(RELEASED, fingerprint(v), op, '0', '0', attempt, '0', '0', ''), 'KEEPTTL')
 end
 -- Waiters re-claim when woken: one becomes the owner, the others register
 -- again.
-if w == '1' then
-  redis.call(ARGV[3], rec, 'r')
+if waited == '1' then
+  redis.call(ARGV[3], rec, RELEASED)
 end
 return 1

@@ -1,0 +1,104 @@
+package idempotency
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/idempotency-go/idempotency/internal/wire"
+)
+
+// This file holds the Redis store's layout: the keys a record uses, and the
+// record's value as Go reads it. lua/record.lua writes and reads the same
+// value: change the two together (TestRecordLayout checks that they agree).
+
+// The value of a record, as lua/record.lua lays it out (offsets from 0):
+// the state, the request's fingerprint, the operation ID's length in one
+// byte and the operation ID; then, for a completed record, the stored
+// response (internal/wire).
+const (
+	recordCompleted = 'c' // COMPLETED in lua/record.lua
+	recordInFlight  = 'p' // IN_FLIGHT
+	recordReleased  = 'r' // RELEASED
+
+	recordFingerprintAt    = 1                                        // FINGERPRINT_FIRST - 1
+	recordOperationIDLenAt = recordFingerprintAt + len(Fingerprint{}) // OP_LEN_AT - 1
+	recordOperationIDAt    = recordOperationIDLenAt + 1
+)
+
+// buckets is the number of hash tags records are spread over. Records share
+// a tag with their bucket's token sequence and in-flight index, so a claim
+// is one script on one slot; 1024 tags still spread records over every
+// master of a cluster, and a sweep reads 1024 small indexes, whatever the
+// number of records kept.
+const buckets = 1024
+
+// bucketKeys are the keys the records of one bucket share: its token
+// sequence and its in-flight index. They are boxed once, since every script
+// call sends them and boxing a string allocates.
+type bucketKeys struct{ seq, leases any }
+
+// recordKey returns the key of k's record, and the keys of its bucket. The
+// scope is length-prefixed, so no (scope, name) pair can be spelled as
+// another, and the spelling parses back (see parseRecordName).
+func (s *RedisStore) recordKey(k Key) (string, *bucketKeys) {
+	bucket := bucketOf(k)
+	b := make([]byte, 0, len(s.prefix)+len(k.Scope)+len(k.Name)+16)
+	b = s.appendTag(b, bucket)
+	b = strconv.AppendInt(b, int64(len(k.Scope)), 10)
+	b = append(append(append(append(b, ':'), k.Scope...), ':'), k.Name...)
+	return string(b), &s.buckets[bucket]
+}
+
+func parseRecordName(s string) (Key, bool) {
+	n, rest, ok := strings.Cut(s, ":")
+	l, err := strconv.Atoi(n)
+	if !ok || err != nil || l < 0 || len(rest) < l+1 || rest[l] != ':' {
+		return Key{}, false
+	}
+	return Key{Scope: rest[:l], Name: rest[l+1:]}, true
+}
+
+// bucketTag is the prefix, hash tag included, of a bucket's keys.
+func (s *RedisStore) bucketTag(bucket uint32) string {
+	return string(s.appendTag(nil, bucket))
+}
+
+func (s *RedisStore) appendTag(b []byte, bucket uint32) []byte {
+	b = append(append(b, s.prefix...), '{')
+	return append(strconv.AppendUint(b, uint64(bucket), 10), "}:"...)
+}
+
+func bucketOf(k Key) uint32 {
+	// FNV-1a: stable across processes and versions. Collisions only share a
+	// bucket; the key itself below is unambiguous.
+	h := uint32(2166136261)
+	for _, part := range [2]string{k.Scope, k.Name} {
+		for i := 0; i < len(part); i++ {
+			h = (h ^ uint32(part[i])) * 16777619
+		}
+		h *= 16777619
+	}
+	return h % buckets
+}
+
+// completedClaim reads a completed record, which claim.lua replies with
+// whole.
+func completedClaim(rec string) (Claim, error) {
+	const head = recordOperationIDAt
+	if len(rec) < head || rec[0] != recordCompleted || len(rec) < head+int(rec[recordOperationIDLenAt]) {
+		return Claim{}, fmt.Errorf("unexpected claim reply %q", rec)
+	}
+	end := head + int(rec[recordOperationIDLenAt])
+	n, err := wire.HeadLen(rec[end:])
+	if err != nil {
+		return Claim{}, err
+	}
+	// One copy holds the operation ID and the response's head, whose
+	// strings are cut from it; not the body, which it would keep alive.
+	kept := strings.Clone(rec[head : end+n])
+	c := Claim{State: Completed, OperationID: kept[:end-head]}
+	c.Response.Status, c.Response.Header = wire.ParseHead(kept[end-head:])
+	c.Response.Body = []byte(rec[end+n:])
+	return c, nil
+}

@@ -1,0 +1,114 @@
+package idempotency
+
+import (
+	"context"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-go/idempotency/internal/wire"
+)
+
+func TestRedisKeyLayout(t *testing.T) {
+	s := NewRedisStore(nil, RedisOptions{Prefix: "p:"})
+	rec, bk := s.recordKey(Key{Scope: "acct:1", Name: "k}{x"})
+	tag := rec[:strings.IndexByte(rec, '}')+1]
+	assert.True(t, strings.HasPrefix(rec, "p:{"), rec)
+	for _, key := range []any{bk.seq, bk.leases} {
+		assert.True(t, strings.HasPrefix(key.(string), tag), "record %q and %q must share a hash tag", rec, key)
+	}
+
+	// A scope that ends like a name starts cannot pass for another pair.
+	a, _ := s.recordKey(Key{Scope: "a:1", Name: "b"})
+	b, _ := s.recordKey(Key{Scope: "a", Name: "1:b"})
+	assert.NotEqual(t, a, b)
+
+	assert.Panics(t, func() { NewRedisStore(nil, RedisOptions{Prefix: "x{"}) })
+}
+
+// TestRecordLayout checks that lua/record.lua and redis_record.go lay a
+// record out alike: the names they give the states and offsets, and the
+// records the scripts write in every state, read back by the Go constants.
+func TestRecordLayout(t *testing.T) {
+	t.Run("names", func(t *testing.T) {
+		lua := func(pattern string) []string {
+			m := regexp.MustCompile(`(?m)^local ` + pattern + `$`).FindStringSubmatch(recordLua)
+			require.NotNil(t, m, "lua/record.lua has no line matching %q", pattern)
+			return m[1:]
+		}
+		states := lua(`COMPLETED, IN_FLIGHT, RELEASED = '(.)', '(.)', '(.)'`)
+		assert.Equal(t, []string{string(rune(recordCompleted)), string(rune(recordInFlight)), string(rune(recordReleased))}, states)
+		offsets := lua(`FINGERPRINT_FIRST, FINGERPRINT_LAST = (\d+), (\d+)`)
+		// Lua counts from 1, Go from 0.
+		assert.Equal(t, []string{strconv.Itoa(recordFingerprintAt + 1), strconv.Itoa(recordOperationIDLenAt)}, offsets)
+		assert.Equal(t, []string{strconv.Itoa(recordOperationIDLenAt + 1)}, lua(`OP_LEN_AT = (\d+)`))
+	})
+
+	redisBackends(t, func(t *testing.T, c *redis.Client) {
+		ctx := context.Background()
+		s := newRedisStore(t, c)
+		k := Key{Scope: "acct", Name: "layout"}
+		fp := FingerprintOf("charge", []byte(`{"amount":1}`))
+		rec, _ := s.recordKey(k)
+		raw := func() string {
+			v, err := c.Get(ctx, rec).Result()
+			require.NoError(t, err)
+			require.Greater(t, len(v), recordOperationIDAt, "record %q", v)
+			assert.Equal(t, string(fp[:]), v[recordFingerprintAt:recordOperationIDLenAt], "fingerprint")
+			return v
+		}
+		opID := func(v string) string {
+			return v[recordOperationIDAt : recordOperationIDAt+int(v[recordOperationIDLenAt])]
+		}
+		// fields reads the fields of a record in flight or released.
+		fields := func(v string) []string {
+			f := strings.SplitN(v[recordOperationIDAt+len(opID(v)):], " ", 5)
+			require.Len(t, f, 5, "record %q", v)
+			return f
+		}
+		claim := func(id string) Claim {
+			c, err := s.Claim(ctx, ClaimRequest{Key: k, Fingerprint: fp, OperationID: id, Lease: time.Minute, Retention: time.Hour})
+			require.NoError(t, err)
+			require.Equal(t, Owner, c.State)
+			return c
+		}
+
+		first := claim("op-1")
+		v := raw()
+		assert.Equal(t, byte(recordInFlight), v[0])
+		assert.Equal(t, "op-1", opID(v))
+		f := fields(v)
+		assert.Equal(t, []string{strconv.FormatUint(first.Token, 10), "1", "00", ""}, f[1:], "token, attempt, abandoned and waited, claimer")
+
+		require.NoError(t, s.Abandon(ctx, k, first.Token))
+		second := claim("op-2")
+		require.True(t, second.Abandoned)
+		v = raw()
+		assert.Equal(t, byte(recordInFlight), v[0])
+		assert.Equal(t, "op-1", opID(v), "a takeover keeps the operation ID")
+		assert.Equal(t, []string{strconv.FormatUint(second.Token, 10), "2", "10", "op-2"}, fields(v)[1:])
+
+		require.NoError(t, s.Release(ctx, k, second.Token))
+		v = raw()
+		assert.Equal(t, byte(recordReleased), v[0])
+		assert.Equal(t, "op-1", opID(v))
+
+		third := claim("op-3")
+		resp := Response{Status: 201, Header: map[string][]string{"Location": {"/v1/charges/1"}}, Body: []byte(`{"id":1}`)}
+		require.NoError(t, s.Complete(ctx, k, third.Token, resp, time.Hour))
+		v = raw()
+		assert.Equal(t, byte(recordCompleted), v[0])
+		assert.Equal(t, "op-1", opID(v))
+		stored := v[recordOperationIDAt+len("op-1"):]
+		assert.Equal(t, string(wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body)), stored, "the stored response")
+		got, err := completedClaim(v)
+		require.NoError(t, err)
+		assert.Equal(t, Claim{State: Completed, OperationID: "op-1", Response: resp}, got)
+	})
+}
