@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
 
@@ -35,8 +34,17 @@ type MemoryStore struct {
 	subs    wakeup.Registry[Key]
 }
 
+// memState is the state of a record in a MemoryStore.
+type memState uint8
+
+const (
+	memInFlight memState = iota + 1
+	memCompleted
+	memReleased
+)
+
 type memRecord struct {
-	state       ClaimState // Owner means in flight; 0 means released
+	state       memState
 	fingerprint Fingerprint
 	operationID string
 	attempt     int
@@ -71,7 +79,7 @@ func (s *MemoryStore) Claim(_ context.Context, req ClaimRequest) (Claim, error) 
 			}
 		}
 		s.token++
-		r = &memRecord{state: Owner, fingerprint: req.Fingerprint, operationID: req.OperationID, attempt: 1,
+		r = &memRecord{state: memInFlight, fingerprint: req.Fingerprint, operationID: req.OperationID, attempt: 1,
 			token: s.token, leaseUntil: now.Add(req.Lease), expires: now.Add(req.Retention)}
 		s.records[req.Key] = r
 		return Claim{State: Owner, OperationID: r.operationID, Attempt: 1, Token: r.token}, nil
@@ -79,17 +87,17 @@ func (s *MemoryStore) Claim(_ context.Context, req ClaimRequest) (Claim, error) 
 	switch {
 	case r.fingerprint != req.Fingerprint:
 		return Claim{State: Mismatch}, nil
-	case r.state == Completed:
+	case r.state == memCompleted:
 		// A copy: a caller that adds a header to its replay must not change
 		// what later replays get.
 		resp := Response{Status: r.response.Status, Header: r.response.Header.Clone(), Body: bytes.Clone(r.response.Body)}
 		return Claim{State: Completed, OperationID: r.operationID, Response: resp}, nil
-	case r.state == Owner && r.leaseUntil.After(now):
+	case r.state == memInFlight && r.leaseUntil.After(now):
 		return Claim{State: InFlight, LeaseLeft: r.leaseUntil.Sub(now)}, nil
 	}
-	abandoned := r.state == Owner
+	abandoned := r.state == memInFlight
 	s.token++
-	r.state, r.token, r.leaseUntil = Owner, s.token, now.Add(req.Lease)
+	r.state, r.token, r.leaseUntil = memInFlight, s.token, now.Add(req.Lease)
 	r.attempt++
 	if r.expires.Before(now.Add(req.Retention)) {
 		r.expires = now.Add(req.Retention) // the new owner must not lose the record while it runs
@@ -109,7 +117,7 @@ func (s *MemoryStore) Complete(_ context.Context, k Key, token uint64, resp Resp
 	// Keep a copy: the caller may reuse its buffers once Complete returns.
 	resp.Header = resp.Header.Clone()
 	resp.Body = bytes.Clone(resp.Body)
-	r.state, r.response, r.expires = Completed, resp, now.Add(retention)
+	r.state, r.response, r.expires = memCompleted, resp, now.Add(retention)
 	s.subs.Wake(k)
 	return nil
 }
@@ -135,7 +143,7 @@ func (s *MemoryStore) end(k Key, token uint64, forget bool) error {
 	if forget {
 		delete(s.records, k)
 	} else {
-		r.state = 0
+		r.state = memReleased
 	}
 	s.subs.Wake(k)
 	return nil
@@ -177,22 +185,13 @@ func (s *MemoryStore) Abandoned(_ context.Context, limit int) ([]AbandonedRecord
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.opts.Now()
-	type due struct {
-		AbandonedRecord
-		since time.Time
-	}
-	var all []due
+	var all []dueRecord
 	for k, r := range s.records {
-		if r.state == Owner && !r.leaseUntil.After(now) && r.expires.After(now) {
-			all = append(all, due{AbandonedRecord{Key: k, Fingerprint: r.fingerprint}, r.leaseUntil})
+		if r.state == memInFlight && !r.leaseUntil.After(now) && r.expires.After(now) {
+			all = append(all, dueRecord{AbandonedRecord{Key: k, Fingerprint: r.fingerprint}, r.leaseUntil.UnixNano()})
 		}
 	}
-	slices.SortFunc(all, func(a, b due) int { return a.since.Compare(b.since) })
-	out := make([]AbandonedRecord, 0, min(max(limit, 0), len(all)))
-	for _, d := range all[:cap(out)] {
-		out = append(out, d.AbandonedRecord)
-	}
-	return out, nil
+	return oldestFirst(all, limit), nil
 }
 
 // Len returns the number of records held, expired ones included until they
@@ -214,7 +213,7 @@ func (s *MemoryStore) lookup(k Key, now time.Time) *memRecord {
 
 func (s *MemoryStore) owned(k Key, token uint64, now time.Time) (*memRecord, error) {
 	r := s.lookup(k, now)
-	if r == nil || r.state != Owner || r.token != token {
+	if r == nil || r.state != memInFlight || r.token != token {
 		return nil, ErrFenced
 	}
 	return r, nil

@@ -1,8 +1,10 @@
 package idempotency
 
 import (
+	"cmp"
 	"context"
 	"fmt"
+	"slices"
 	"time"
 )
 
@@ -104,6 +106,24 @@ type Claim struct {
 	Abandoned   bool          // Owner: the previous attempt's lease ran out unsettled
 	Response    Response      // Completed
 	LeaseLeft   time.Duration // InFlight: time until the owner's lease runs out
+}
+
+// dueRecord is an abandoned record with the time its lease ran out, in a
+// unit of the store's choosing.
+type dueRecord struct {
+	AbandonedRecord
+	leaseEnd int64
+}
+
+// oldestFirst returns up to limit records of due, the longest abandoned
+// first, as Store.Abandoned lists them.
+func oldestFirst(due []dueRecord, limit int) []AbandonedRecord {
+	slices.SortFunc(due, func(a, b dueRecord) int { return cmp.Compare(a.leaseEnd, b.leaseEnd) })
+	out := make([]AbandonedRecord, 0, min(max(limit, 0), len(due)))
+	for _, d := range due[:cap(out)] {
+		out = append(out, d.AbandonedRecord)
+	}
+	return out
 }
 
 // unavailable wraps a store failure so that it matches ErrUnavailable.
