@@ -13,6 +13,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-go/idempotency/internal/storeerr"
 )
 
 // An operation that runs for several leases keeps its record: every other
@@ -71,7 +73,7 @@ func TestHeartbeatGivesUpWhenRenewalsFail(t *testing.T) {
 	s := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: func(_ context.Context, op string) error {
 		switch op {
 		case "heartbeat":
-			return unavailable("heartbeat", errInjected)
+			return storeerr.Unavailable("heartbeat", errInjected)
 		case "complete":
 			completes.Add(1)
 		}
@@ -103,10 +105,10 @@ func TestHeartbeatGivesUpWhenRenewalsFail(t *testing.T) {
 func hang(t *testing.T, ctx context.Context, forever bool) error {
 	if forever {
 		<-t.Context().Done()
-		return unavailable("hung", t.Context().Err())
+		return storeerr.Unavailable("hung", t.Context().Err())
 	}
 	<-ctx.Done()
-	return unavailable("hung", ctx.Err())
+	return storeerr.Unavailable("hung", ctx.Err())
 }
 
 // A renewal that never returns holds Do only for a few round trips (the
@@ -364,7 +366,7 @@ func TestGiveUpOutlastsRenewalInFlight(t *testing.T) {
 // store fails while the new store no longer answers returns within a lease.
 func TestMigratingClaimUndoHasADeadline(t *testing.T) {
 	const lease = 200 * time.Millisecond
-	old := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: failOn(unavailable("claim", errInjected), "claim")}
+	old := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: failOn(storeerr.Unavailable("claim", errInjected), "claim")}
 	new := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: func(ctx context.Context, op string) error {
 		if op == "release" {
 			return hang(t, ctx, false)

@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idempotency-go/idempotency/internal/storeerr"
 	"github.com/idempotency-go/idempotency/internal/testserver"
 )
 
@@ -538,7 +539,7 @@ func middlewareContract(t *testing.T, newStore func(*testing.T) Store) {
 		},
 		{
 			name:  "store unavailable: 503, the handler does not run",
-			fault: failOn(unavailable("claim", errInjected), "claim"),
+			fault: failOn(storeerr.Unavailable("claim", errInjected), "claim"),
 			calls: []call{
 				post("k", "a", 503, retryHeader, bodyUnavailable),
 				{body: "a", status: 400, want: problemHeader, resp: bodyMissingKey},
@@ -547,7 +548,7 @@ func middlewareContract(t *testing.T, newStore func(*testing.T) Store) {
 		{
 			name:  "Retry-After is whole seconds, rounded up",
 			opts:  MiddlewareOptions{RetryAfter: 1500 * time.Millisecond},
-			fault: failOn(unavailable("claim", errInjected), "claim"),
+			fault: failOn(storeerr.Unavailable("claim", errInjected), "claim"),
 			calls: []call{
 				post("k", "a", 503, hdr("Content-Type", "application/problem+json", "Cache-Control", "no-store", "Retry-After", "2"), bodyUnavailable),
 			},
@@ -555,7 +556,7 @@ func middlewareContract(t *testing.T, newStore func(*testing.T) Store) {
 		{
 			name:  "store unavailable with FailOpen: the handler runs unguarded",
 			opts:  MiddlewareOptions{FailOpen: true},
-			fault: failOn(unavailable("claim", errInjected), "claim"),
+			fault: failOn(storeerr.Unavailable("claim", errInjected), "claim"),
 			calls: []call{
 				post("k", "a", 201, createdHeader, "run 1: POST 1 a"),
 				post("k", "a", 201, createdHeader, "run 2: POST 1 a"),
@@ -565,7 +566,7 @@ func middlewareContract(t *testing.T, newStore func(*testing.T) Store) {
 		{
 			name:  "FailOpen never runs a request known to be in flight",
 			opts:  MiddlewareOptions{FailOpen: true},
-			fault: failOn(errors.Join(ErrInFlight, unavailable("claim", errInjected)), "claim"),
+			fault: failOn(errors.Join(ErrInFlight, storeerr.Unavailable("claim", errInjected)), "claim"),
 			calls: []call{
 				post("k", "a", 409, retryHeader, bodyInFlight),
 			},
@@ -573,7 +574,7 @@ func middlewareContract(t *testing.T, newStore func(*testing.T) Store) {
 		{
 			name:  "storing the outcome fails: 503, the response is not sent, even with FailOpen",
 			opts:  MiddlewareOptions{FailOpen: true},
-			fault: failOn(unavailable("complete", errInjected), "complete"),
+			fault: failOn(storeerr.Unavailable("complete", errInjected), "complete"),
 			calls: []call{
 				post("k", "a", 503, retryHeader, bodyUnavailable),
 			},
@@ -981,7 +982,7 @@ func TestMiddlewareTooLargeResponse(t *testing.T) {
 // TestMiddlewareTooLargeResponseNotStored: when settling a too-large
 // response fails, the client gets 503 and none of the handler's bytes.
 func TestMiddlewareTooLargeResponseNotStored(t *testing.T) {
-	for _, fault := range []error{ErrFenced, unavailable("complete", errInjected)} {
+	for _, fault := range []error{ErrFenced, storeerr.Unavailable("complete", errInjected)} {
 		t.Run(fault.Error(), func(t *testing.T) {
 			eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
 				var writeErrs []error
@@ -1179,7 +1180,7 @@ func TestMiddlewareFailOpenNotForGoneClient(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		s := &faultStore{Store: newStore(t), hook: func(context.Context, string) error {
 			cancel()
-			return unavailable("claim", ctx.Err())
+			return storeerr.Unavailable("claim", ctx.Err())
 		}}
 		var runs atomic.Int64
 		h := New(s, Options{}).Middleware(MiddlewareOptions{FailOpen: true})(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { runs.Add(1) }))

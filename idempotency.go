@@ -26,6 +26,8 @@ import (
 	"net/http"
 	"sync"
 	"time"
+
+	"github.com/idempotency-go/idempotency/internal/storeerr"
 )
 
 // Errors returned by Guard.Do and by stores. Check them with errors.Is.
@@ -41,11 +43,11 @@ var (
 	// (it ran out on this process's clock, or the store refused a renewal
 	// because another attempt took over or the record was settled). The
 	// change it asked for was not made.
-	ErrFenced = errors.New("idempotency: fenced off: no longer the owner")
+	ErrFenced = storeerr.ErrFenced
 	// ErrUnavailable: the store could not be reached or failed. Whether the
 	// operation ran is decided by the record, never by guessing: a retry finds
 	// out.
-	ErrUnavailable = errors.New("idempotency: store unavailable")
+	ErrUnavailable = storeerr.ErrUnavailable
 	// ErrUnknown is for Options.Recover to return when it cannot yet tell
 	// what became of an abandoned operation.
 	ErrUnknown = errors.New("idempotency: outcome of the abandoned attempt not known yet")

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/idempotency-go/idempotency/internal/storeerr"
 	"github.com/idempotency-go/idempotency/internal/wakeup"
 )
 
@@ -75,7 +76,7 @@ func (s *MemoryStore) Claim(_ context.Context, req ClaimRequest) (Claim, error) 
 		if len(s.records) >= s.opts.MaxRecords {
 			s.dropExpired(now)
 			if len(s.records) >= s.opts.MaxRecords {
-				return Claim{}, unavailable("claim", fmt.Errorf("memory store full: %d records", s.opts.MaxRecords))
+				return Claim{}, storeerr.Unavailable("claim", fmt.Errorf("memory store full: %d records", s.opts.MaxRecords))
 			}
 		}
 		s.token++

@@ -14,6 +14,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/idempotency-go/idempotency/internal/storeerr"
 	"github.com/idempotency-go/idempotency/internal/wire"
 )
 
@@ -239,15 +240,15 @@ func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error)
 		return false
 	})
 	if err := cmd.Err(); err != nil {
-		return Claim{}, unavailable("claim", err)
+		return Claim{}, storeerr.Unavailable("claim", err)
 	}
 	c, err := parseClaim(cmd.Val(), req.OperationID)
 	if err != nil {
-		return Claim{}, unavailable("claim", err)
+		return Claim{}, storeerr.Unavailable("claim", err)
 	}
 	if unconfirmed != nil {
 		s.giveUp(context.WithoutCancel(ctx), req.Key, c)
-		return Claim{}, unavailable("claim", unconfirmed)
+		return Claim{}, storeerr.Unavailable("claim", unconfirmed)
 	}
 	return c, nil
 }
@@ -436,7 +437,7 @@ func settled(op string, cmd *redis.Cmd, unconfirmed error) error {
 		return err
 	}
 	if unconfirmed != nil {
-		return unavailable(op, unconfirmed)
+		return storeerr.Unavailable(op, unconfirmed)
 	}
 	return nil
 }
@@ -462,7 +463,7 @@ func (s *RedisStore) Subscribe(ctx context.Context, k Key) (Subscription, error)
 	rec, _ := s.recordKey(k)
 	sub, err := s.waiters.subscribe(ctx, rec)
 	if err != nil {
-		return nil, unavailable("subscribe", err)
+		return nil, storeerr.Unavailable("subscribe", err)
 	}
 	return sub, nil
 }
@@ -475,7 +476,7 @@ func (s *RedisStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecor
 	}
 	// A pipeline cannot fall back to EVAL command by command.
 	if err := s.c.ScriptLoad(ctx, s.scripts.abandoned.src).Err(); err != nil {
-		return nil, unavailable("abandoned", err)
+		return nil, storeerr.Unavailable("abandoned", err)
 	}
 	cmds, err := s.c.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for b := range s.buckets {
@@ -484,7 +485,7 @@ func (s *RedisStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecor
 		return nil
 	})
 	if err != nil {
-		return nil, unavailable("abandoned", err)
+		return nil, storeerr.Unavailable("abandoned", err)
 	}
 	var all []dueRecord
 	for b, cmd := range cmds {
@@ -496,7 +497,7 @@ func (s *RedisStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecor
 			deadline, err := strconv.ParseInt(fmt.Sprint(v[i+2]), 10, 64)
 			k, ok := parseRecordName(strings.TrimPrefix(rec, tag))
 			if !ok || err != nil || len(fp) != len(Fingerprint{}) || !strings.HasPrefix(rec, tag) {
-				return nil, unavailable("abandoned", fmt.Errorf("unexpected entry %q in %sleases", rec, tag))
+				return nil, storeerr.Unavailable("abandoned", fmt.Errorf("unexpected entry %q in %sleases", rec, tag))
 			}
 			all = append(all, dueRecord{AbandonedRecord{Key: k, Fingerprint: Fingerprint([]byte(fp))}, deadline})
 		}
@@ -512,7 +513,7 @@ func fenced(op string, err error) error {
 	case err == nil:
 		return nil
 	case errors.As(err, &re) && strings.HasPrefix(re.Error(), "FENCED"):
-		return fmt.Errorf("%w: %s", ErrFenced, op)
+		return storeerr.Fenced(op)
 	}
-	return unavailable(op, err)
+	return storeerr.Unavailable(op, err)
 }

@@ -3,7 +3,6 @@ package idempotency
 import (
 	"cmp"
 	"context"
-	"fmt"
 	"slices"
 	"time"
 )
@@ -124,9 +123,4 @@ func oldestFirst(due []dueRecord, limit int) []AbandonedRecord {
 		out = append(out, d.AbandonedRecord)
 	}
 	return out
-}
-
-// unavailable wraps a store failure so that it matches ErrUnavailable.
-func unavailable(op string, err error) error {
-	return fmt.Errorf("%w: %s: %w", ErrUnavailable, op, err)
 }

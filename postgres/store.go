@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/idempotency-go/idempotency"
+	"github.com/idempotency-go/idempotency/internal/storeerr"
 	"github.com/idempotency-go/idempotency/internal/wakeup"
 	"github.com/idempotency-go/idempotency/internal/wire"
 	"github.com/jackc/pgx/v5"
@@ -173,7 +174,7 @@ func (s *Store) Migrate(ctx context.Context) error {
 func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
-		return unavailable("migrate", err)
+		return storeerr.Unavailable("postgres migrate", err)
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	// Concurrent CREATE ... IF NOT EXISTS can still fail on a catalog unique
@@ -181,14 +182,14 @@ func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
 	// concurrently updated": the lock makes the migrations take turns.
 	lock := sha256.Sum256([]byte("idempotency-go postgres migrate " + s.opts.Table))
 	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(binary.BigEndian.Uint64(lock[:8]))); err != nil {
-		return unavailable("migrate", err)
+		return storeerr.Unavailable("postgres migrate", err)
 	}
 	n := newNames(s.opts.Table)
 	escape := tx.Conn().PgConn().EscapeString
 	channel, err1 := escape(s.opts.Channel)
 	signature, err2 := escape(n.Claim + "(text, text, bytea, text, bigint, bigint, boolean)")
 	if err := errors.Join(err1, err2); err != nil {
-		return unavailable("migrate", err)
+		return storeerr.Unavailable("postgres migrate", err)
 	}
 	n.Channel, n.ClaimSignature = "'"+channel+"'", "'"+signature+"'"
 	var schema strings.Builder
@@ -198,10 +199,10 @@ func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
 	// Without arguments, pgx sends the script in one simple-protocol query,
 	// which may hold many statements.
 	if _, err := tx.Exec(ctx, schema.String()); err != nil {
-		return unavailable("migrate", err)
+		return storeerr.Unavailable("postgres migrate", err)
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return unavailable("migrate", err)
+		return storeerr.Unavailable("postgres migrate", err)
 	}
 	return nil
 }
@@ -219,7 +220,7 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 		req.Lease.Microseconds(), req.Retention.Microseconds(), req.Watch).
 		Scan(&state, &c.OperationID, &c.Attempt, &token, &response, &leftUS, &c.Abandoned)
 	if err != nil {
-		return idempotency.Claim{}, unavailable("claim", err)
+		return idempotency.Claim{}, storeerr.Unavailable("postgres claim", err)
 	}
 	switch state {
 	case "owner":
@@ -228,7 +229,7 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 		c.State = idempotency.Completed
 		n, err := wire.HeadLen(response)
 		if err != nil {
-			return idempotency.Claim{}, unavailable("claim", err)
+			return idempotency.Claim{}, storeerr.Unavailable("postgres claim", err)
 		}
 		c.Response.Status, c.Response.Header = wire.ParseHead(string(response[:n]))
 		c.Response.Body = response[n:]
@@ -237,7 +238,7 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 	case "mismatch":
 		c.State = idempotency.Mismatch
 	default:
-		return idempotency.Claim{}, unavailable("claim", fmt.Errorf("unknown claim state %q", state))
+		return idempotency.Claim{}, storeerr.Unavailable("postgres claim", fmt.Errorf("unknown claim state %q", state))
 	}
 	return c, nil
 }
@@ -296,7 +297,7 @@ func (s *Store) Abandoned(ctx context.Context, limit int) ([]idempotency.Abandon
 	}
 	rows, err := s.pool.Query(ctx, s.abandonedSQL, limit)
 	if err != nil {
-		return nil, unavailable("abandoned", err)
+		return nil, storeerr.Unavailable("postgres abandoned", err)
 	}
 	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (idempotency.AbandonedRecord, error) {
 		var (
@@ -313,7 +314,7 @@ func (s *Store) Abandoned(ctx context.Context, limit int) ([]idempotency.Abandon
 		return a, nil
 	})
 	if err != nil {
-		return nil, unavailable("abandoned", err)
+		return nil, storeerr.Unavailable("postgres abandoned", err)
 	}
 	return out, nil
 }
@@ -327,7 +328,7 @@ func (s *Store) DeleteExpired(ctx context.Context) (int64, error) {
 	for {
 		tag, err := s.pool.Exec(ctx, s.deleteSQL, deleteBatch)
 		if err != nil {
-			return total, unavailable("delete expired", err)
+			return total, storeerr.Unavailable("postgres delete expired", err)
 		}
 		total += tag.RowsAffected()
 		if tag.RowsAffected() < deleteBatch {
@@ -352,10 +353,10 @@ func (s *Store) fenced(ctx context.Context, q querier, op, sql string, k idempot
 	// turns negative here, matches no row, and so is fenced off.
 	tag, err := q.Exec(ctx, sql, append([]any{oneRoundTrip, k.Scope, k.Name, int64(token)}, args...)...)
 	if err != nil {
-		return unavailable(op, err)
+		return storeerr.Unavailable("postgres "+op, err)
 	}
 	if tag.RowsAffected() == 0 {
-		return idempotency.ErrFenced
+		return storeerr.Fenced("postgres " + op)
 	}
 	return nil
 }
@@ -370,7 +371,7 @@ func (s *Store) Subscribe(ctx context.Context, k idempotency.Key) (idempotency.S
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
-		return nil, unavailable("subscribe", errClosed)
+		return nil, storeerr.Unavailable("postgres subscribe", errClosed)
 	}
 	if s.stop == nil {
 		lctx, stop := context.WithCancel(context.Background())
@@ -386,13 +387,13 @@ func (s *Store) Subscribe(ctx context.Context, k idempotency.Key) (idempotency.S
 		return sub, nil
 	case <-stopped:
 		sub.Close()
-		return nil, unavailable("subscribe", errClosed)
+		return nil, storeerr.Unavailable("postgres subscribe", errClosed)
 	case <-ctx.Done():
 		sub.Close()
 		s.mu.Lock()
 		err := errors.Join(context.Cause(ctx), s.listenErr)
 		s.mu.Unlock()
-		return nil, unavailable("subscribe", err)
+		return nil, storeerr.Unavailable("postgres subscribe", err)
 	}
 }
 
@@ -499,10 +500,4 @@ func (s *Store) lost(err error) {
 func wakeID(k idempotency.Key) string {
 	sum := sha256.Sum256([]byte(k.Scope + "\x00" + k.Name))
 	return hex.EncodeToString(sum[:16])
-}
-
-// unavailable wraps a database failure so that it matches
-// idempotency.ErrUnavailable.
-func unavailable(op string, err error) error {
-	return fmt.Errorf("%w: postgres %s: %w", idempotency.ErrUnavailable, op, err)
 }
