@@ -69,6 +69,10 @@ func TestFingerprintRawBodies(t *testing.T) {
 	assert.Equal(t, fp("application/json", `{"a":1,`), fp("application/json", `{"a":1,`))
 	// A raw body can never pass for the canonical form of another.
 	assert.NotEqual(t, fp("text/plain", `{"a":1}`), fp("application/json", `{"a":1}`))
+	// So does JSON nested deeper than the canonicaliser accepts.
+	nested := func(depth int) string { return strings.Repeat("[", depth) + strings.Repeat("]", depth) }
+	assert.Equal(t, fp("application/json", nested(canonjson.MaxDepth)), fp("application/json", nested(canonjson.MaxDepth)+" "))
+	assert.NotEqual(t, fp("application/json", nested(canonjson.MaxDepth+1)), fp("application/json", nested(canonjson.MaxDepth+1)+" "))
 }
 
 func TestFingerprintHeaders(t *testing.T) {

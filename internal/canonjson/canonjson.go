@@ -7,11 +7,14 @@
 // (RFC 8259, no byte order mark) that is also I-JSON (RFC 7493), so valid
 // UTF-8, no lone surrogate, no two members of an object with the same name,
 // and no number beyond the range of a double. It also refuses arrays and
-// objects nested deeper than MaxDepth. Whatever it accepts, its output is
-// byte for byte what github.com/gowebpki/jcs produces.
+// objects nested deeper than MaxDepth. On any text nested no deeper than
+// that, it agrees with github.com/gowebpki/jcs: the same bytes, or both
+// refuse the text.
 //
-// The cost is bounded whatever the input: linear in its length, plus the
-// comparisons that sorting the members of each object takes.
+// Its cost is bounded whatever the input, so that a client cannot make a
+// server spend much on a body: for a text of n bytes, work proportional to
+// n times MaxDepth at most, plus the comparisons that sorting the members of
+// each object takes, O(m log m) for m members.
 package canonjson
 
 import (
@@ -31,201 +34,161 @@ import (
 var ErrNotCanonical = errors.New("not canonicalisable JSON")
 
 // MaxDepth is the deepest nesting of arrays and objects that Append accepts:
-// "[[1]]" is nested two deep. It is the limit of github.com/gowebpki/jcs.
-const MaxDepth = 10000
+// "[[1]]" is nested two deep. Request bodies are nowhere near as deep, and
+// many JSON parsers refuse deeper ones by default (System.Text.Json and
+// Json.NET at 64, Ruby's json at 100). The limit bounds the cost of Append,
+// which grows with the depth. github.com/gowebpki/jcs accepts up to 10000:
+// a text nested deeper than MaxDepth but no deeper than 10000 is one that
+// jcs canonicalises and Append refuses.
+const MaxDepth = 64
 
 // Append appends the RFC 8785 form of the JSON text src to dst and returns
 // the extended buffer. On failure it returns dst unchanged and an error
 // wrapping ErrNotCanonical. dst must not overlap src.
-//
-// How it works: it parses without recursion and writes each value in
-// canonical form as it goes. An object whose members come out of order is
-// sorted when it closes: in place if no object inside it was sorted,
-// otherwise afterwards, by reorder, which copies the whole text once more.
-// So each byte moves at most twice however deep the nesting, where sorting
-// every object in place would move a deeply nested one once per enclosing
-// object. Only sorting the members of an object costs more than linear
-// time, O(m log m) comparisons for m members, as in jcs.
 func Append(dst, src []byte) ([]byte, error) {
 	// Canonical text is seldom longer than the document: whitespace goes,
 	// and few numbers get longer.
 	c := &canonicaliser{src: src, out: slices.Grow(dst, len(src))}
-	c.open, c.objs, c.members = c.openSpace[:0], c.objsSpace[:0], c.membersSpace[:0]
-	if err := c.parse(); err != nil {
+	c.members = c.membersSpace[:0]
+	if err := c.value(0); err != nil {
 		return dst, err
 	}
-	return c.reorder(len(dst)), nil
+	c.skipSpace()
+	if c.i != len(src) {
+		return dst, c.fail("data after the value")
+	}
+	return c.out, nil
 }
 
+// A canonicaliser reads src once, from start to end, and writes each value
+// in canonical form to out as it goes. When an object closes, its text is
+// the last thing in out; if its members are out of order they are sorted
+// there, which copies the object's text twice. A member's text includes the arrays and
+// objects in its value, so a byte is copied twice more for every object
+// around it that gets sorted: at most 2*MaxDepth times in all. That is why
+// MaxDepth must stay low.
 type canonicaliser struct {
 	src []byte
 	i   int // the next byte of src to read
 	out []byte
 
-	open      []openContainer // arrays and objects not closed yet, innermost last
-	members   []jsonMember    // members of the open objects, innermost last
-	reordered int             // how many objects had their members out of order so far
-
-	// The objects left for reorder to sort, and those around them, in the
-	// order of their '{', so that the objects inside any piece of the text
-	// are a run of objs; and the members of the former, sorted, as a run for
-	// each object.
-	objs     []jsonObject
-	deferred []jsonMember
-
-	// The bookkeeping of a small document fits in these, allocated with
-	// the canonicaliser rather than one by one.
-	openSpace    [8]openContainer
-	objsSpace    [4]jsonObject
-	membersSpace [8]jsonMember
+	// members are those of the objects being read, innermost object last.
+	members []member
+	// The members of a small document fit here, allocated with the
+	// canonicaliser rather than as the slice grows.
+	membersSpace [8]member
 }
 
-type openContainer struct {
-	obj       int // the object's index in objs, or -1 for an array
-	first     int // the index in members of the object's first member
-	reordered int // c.reordered when the object opened
-}
-
-// jsonObject locates an object in the text. Those of its descendants that
-// are in objs are objs[i+1:next].
-type jsonObject struct {
-	start, end int // its text, '{' to '}' inclusive
-	next       int
-	lo, hi     int // its members, sorted, as deferred[lo:hi]; lo == hi when they are in order
-}
-
-// jsonMember locates a member in the text: the name from start (its opening
-// quote) to colon, the value from colon+1 to end. The objects inside the
-// value start at objs[objs].
-type jsonMember struct {
-	start, colon, end int
-	objs              int
-}
+// member locates a member of an object in out: out[start] is the opening
+// quote of its name, out[colon] the ':' after the name, and out[colon+1:end]
+// its value.
+type member struct{ start, colon, end int }
 
 func (c *canonicaliser) fail(what string) error {
 	return fmt.Errorf("%w: %s at byte %d", ErrNotCanonical, what, c.i)
 }
 
-// parse writes src to out as canonical JSON, except for the objects it
-// leaves to reorder.
-func (c *canonicaliser) parse() error {
+// value reads the value that starts at src[c.i], after any whitespace, and
+// writes it in canonical form. depth counts the arrays and objects around it.
+func (c *canonicaliser) value(depth int) error {
+	c.skipSpace()
+	if c.i == len(c.src) {
+		return c.fail("unexpected end")
+	}
+	switch c.src[c.i] {
+	case '[':
+		return c.array(depth + 1)
+	case '{':
+		return c.object(depth + 1)
+	case '"':
+		c.i++
+		return c.str()
+	}
+	return c.scalar()
+}
+
+// array reads an array, from its '['. depth counts it and those around it.
+func (c *canonicaliser) array(depth int) error {
+	if depth > MaxDepth {
+		return c.fail("nesting too deep")
+	}
+	c.i++
+	c.out = append(c.out, '[')
+	c.skipSpace()
+	if c.consume(']') {
+		c.out = append(c.out, ']')
+		return nil
+	}
 	for {
-		// A value starts here.
-		c.skipSpace()
-		if c.i == len(c.src) {
-			return c.fail("unexpected end")
-		}
-		switch b := c.src[c.i]; b {
-		case '[', '{':
-			if len(c.open) == MaxDepth {
-				return c.fail("nesting too deep")
-			}
-			c.i++
-			c.out = append(c.out, b)
-			c.skipSpace()
-			if b == '[' {
-				if c.consume(']') {
-					c.out = append(c.out, ']')
-					break
-				}
-				c.open = append(c.open, openContainer{obj: -1})
-				continue
-			}
-			if c.consume('}') {
-				c.out = append(c.out, '}')
-				break
-			}
-			c.objs = append(c.objs, jsonObject{start: len(c.out) - 1})
-			c.open = append(c.open, openContainer{obj: len(c.objs) - 1, first: len(c.members), reordered: c.reordered})
-			if err := c.member(); err != nil {
-				return err
-			}
-			continue
-		case '"':
-			c.i++
-			if err := c.str(); err != nil {
-				return err
-			}
-		default:
-			if err := c.scalar(); err != nil {
-				return err
-			}
-		}
-		if more, err := c.afterValue(); err != nil || !more {
+		if err := c.value(depth); err != nil {
 			return err
 		}
-	}
-}
-
-// afterValue closes the arrays and objects that end after a value, and says
-// whether another value follows.
-func (c *canonicaliser) afterValue() (bool, error) {
-	for len(c.open) > 0 {
-		top := c.open[len(c.open)-1]
 		c.skipSpace()
-		if c.i == len(c.src) {
-			return false, c.fail("unexpected end")
-		}
-		b := c.src[c.i]
-		c.i++
-		if top.obj >= 0 {
-			c.members[len(c.members)-1].end = len(c.out)
-		}
 		switch {
-		case b == ',':
+		case c.consume(','):
 			c.out = append(c.out, ',')
-			if top.obj < 0 {
-				return true, nil
-			}
-			return true, c.member()
-		case b == ']' && top.obj < 0:
+		case c.consume(']'):
 			c.out = append(c.out, ']')
-			c.open = c.open[:len(c.open)-1]
-		case b == '}' && top.obj >= 0:
-			if err := c.closeObject(); err != nil {
-				return false, err
-			}
+			return nil
 		default:
-			c.i--
-			return false, c.fail("expected ',' or the end of the array or object")
+			return c.fail("expected ',' or ']'")
 		}
 	}
-	c.skipSpace()
-	if c.i != len(c.src) {
-		return false, c.fail("data after the value")
-	}
-	return false, nil
 }
 
-// member reads a member's name and colon; its value follows.
-func (c *canonicaliser) member() error {
-	c.skipSpace()
+// object reads an object, from its '{', and writes it with its members in
+// order. depth counts it and those around it.
+func (c *canonicaliser) object(depth int) error {
+	if depth > MaxDepth {
+		return c.fail("nesting too deep")
+	}
+	c.i++
 	start := len(c.out)
-	if !c.consume('"') {
-		return c.fail("expected a member name")
-	}
-	if err := c.str(); err != nil {
-		return err
-	}
+	c.out = append(c.out, '{')
 	c.skipSpace()
-	if !c.consume(':') {
-		return c.fail("expected ':'")
+	if c.consume('}') {
+		c.out = append(c.out, '}')
+		return nil
 	}
-	c.members = append(c.members, jsonMember{start: start, colon: len(c.out), objs: len(c.objs)})
-	c.out = append(c.out, ':')
-	return nil
+	first := len(c.members)
+	for {
+		c.skipSpace()
+		m := member{start: len(c.out)}
+		if !c.consume('"') {
+			return c.fail("expected a member name")
+		}
+		if err := c.str(); err != nil {
+			return err
+		}
+		c.skipSpace()
+		if !c.consume(':') {
+			return c.fail("expected ':'")
+		}
+		m.colon = len(c.out)
+		c.out = append(c.out, ':')
+		if err := c.value(depth); err != nil {
+			return err
+		}
+		m.end = len(c.out)
+		c.members = append(c.members, m)
+		c.skipSpace()
+		switch {
+		case c.consume(','):
+			c.out = append(c.out, ',')
+		case c.consume('}'):
+			c.out = append(c.out, '}')
+			err := c.sortObject(start, c.members[first:])
+			c.members = c.members[:first]
+			return err
+		default:
+			return c.fail("expected ',' or '}'")
+		}
+	}
 }
 
-// closeObject ends the innermost open object, which ends the text, and
-// sorts its members or leaves them to reorder.
-func (c *canonicaliser) closeObject() error {
-	c.out = append(c.out, '}')
-	top := c.open[len(c.open)-1]
-	c.open = c.open[:len(c.open)-1]
-	ms := c.members[top.first:]
-	c.members = c.members[:top.first]
-	o := &c.objs[top.obj]
-	o.end, o.next = len(c.out), len(c.objs)
+// sortObject puts in order the members ms of the object that starts at
+// out[start] and ends out, and fails if two of them have the same name.
+func (c *canonicaliser) sortObject(start int, ms []member) error {
 	moved := c.sortMembers(ms)
 	for i := 1; i < len(ms); i++ {
 		if bytes.Equal(c.name(ms[i-1]), c.name(ms[i])) {
@@ -233,42 +196,25 @@ func (c *canonicaliser) closeObject() error {
 		}
 	}
 	if moved {
-		if c.reordered > top.reordered {
-			// Objects inside it were sorted already: sorting this one
-			// here would move them again.
-			c.reordered++
-			o.lo = len(c.deferred)
-			c.deferred = append(c.deferred, ms...)
-			o.hi = len(c.deferred)
-			return nil
+		// Copy the object past its end, then write its members back in
+		// their new order.
+		end := len(c.out)
+		c.out = append(c.out, c.out[start:end]...)
+		w, shift := start+1, end-start
+		for i, m := range ms {
+			if i > 0 {
+				c.out[w] = ','
+				w++
+			}
+			w += copy(c.out[w:], c.out[m.start+shift:m.end+shift])
 		}
-		c.reordered++
-		c.sortInPlace(o.start, ms)
-	}
-	if top.obj == len(c.objs)-1 {
-		c.objs = c.objs[:top.obj] // nothing left to sort in it
+		c.out = c.out[:end] // sorting changes no length
 	}
 	return nil
 }
 
-// sortInPlace rewrites the object that starts at out[start] and ends the
-// text with its members in the order of ms.
-func (c *canonicaliser) sortInPlace(start int, ms []jsonMember) {
-	end := len(c.out)
-	c.out = append(c.out, c.out[start:end]...)
-	w, shift := start+1, end-start
-	for i, m := range ms {
-		if i > 0 {
-			c.out[w] = ','
-			w++
-		}
-		w += copy(c.out[w:], c.out[m.start+shift:m.end+shift])
-	}
-	c.out = c.out[:end]
-}
-
 // sortMembers sorts ms by name, and says whether they were out of order.
-func (c *canonicaliser) sortMembers(ms []jsonMember) bool {
+func (c *canonicaliser) sortMembers(ms []member) bool {
 	if len(ms) > 12 {
 		if slices.IsSortedFunc(ms, c.compareNames) {
 			return false
@@ -288,68 +234,13 @@ func (c *canonicaliser) sortMembers(ms []jsonMember) bool {
 	return moved
 }
 
-func (c *canonicaliser) name(m jsonMember) []byte {
+// name is the inside of m's name, between its quotes, in canonical form.
+func (c *canonicaliser) name(m member) []byte {
 	return c.out[m.start+1 : m.colon-1]
 }
 
-func (c *canonicaliser) compareNames(a, b jsonMember) int {
+func (c *canonicaliser) compareNames(a, b member) int {
 	return compareUTF16(c.name(a), c.name(b))
-}
-
-// reorderFrame is a piece of the text still to be copied, out[pos:end], and
-// the first of the objects it may hold, objs[k]. Inside an object being
-// written in sorted order, it is that object's member deferred[m].
-type reorderFrame struct {
-	pos, end int
-	k        int
-	obj, m   int // obj is -1 outside such an object
-}
-
-// reorder sorts the objects that parse left unsorted, copying the text at
-// out[base:] once.
-func (c *canonicaliser) reorder(base int) []byte {
-	if len(c.deferred) == 0 {
-		return c.out
-	}
-	text := len(c.out)
-	c.out = slices.Grow(c.out, text-base)
-	var stack [16]reorderFrame
-	frames := append(stack[:0], reorderFrame{pos: base, end: text, obj: -1})
-	for len(frames) > 0 {
-		f := &frames[len(frames)-1]
-		for f.k < len(c.objs) && c.objs[f.k].start < f.end && c.objs[f.k].lo == c.objs[f.k].hi {
-			f.k++ // in order: its text is copied as it is, but objects inside it may not be
-		}
-		if f.k < len(c.objs) && c.objs[f.k].start < f.end {
-			o := c.objs[f.k]
-			c.out = append(c.out, c.out[f.pos:o.start]...)
-			c.out = append(c.out, '{')
-			frames = append(frames, c.memberFrame(f.k, o.lo))
-			f = &frames[len(frames)-2]
-			f.pos, f.k = o.end, o.next
-			continue
-		}
-		c.out = append(c.out, c.out[f.pos:f.end]...)
-		switch {
-		case f.obj < 0:
-			frames = frames[:len(frames)-1]
-		case f.m+1 < c.objs[f.obj].hi:
-			c.out = append(c.out, ',')
-			*f = c.memberFrame(f.obj, f.m+1)
-		default:
-			c.out = append(c.out, '}')
-			frames = frames[:len(frames)-1]
-		}
-	}
-	// Sorting changes no length, so the sorted text is exactly as long as
-	// the text it replaces.
-	copy(c.out[base:], c.out[text:])
-	return c.out[:text]
-}
-
-func (c *canonicaliser) memberFrame(obj, m int) reorderFrame {
-	mb := c.deferred[m]
-	return reorderFrame{pos: mb.start, end: mb.end, k: mb.objs, obj: obj, m: m}
 }
 
 func (c *canonicaliser) skipSpace() {

@@ -3,7 +3,9 @@ package canonjson_test
 // This file holds every test that compares canonjson with
 // github.com/gowebpki/jcs, which canonicalised fingerprinted bodies before
 // canonjson did: a body jcs canonicalised must come out the same, and one it
-// refused must be refused, or stored fingerprints would change. The file
+// refused must be refused, or stored fingerprints would change. The one
+// exception, by design, is a text nested deeper than canonjson.MaxDepth but
+// no deeper than jcs's limit of 10000, which only jcs accepts. The file
 // uses only the package's exported API and nothing from its other test
 // files, so that it can move to a module of its own.
 
@@ -54,7 +56,8 @@ var jcsSeeds = []string{
 }
 
 // checkJCS fails t unless canonjson.Append and jcs.Transform agree on text:
-// the same bytes, or both refuse it.
+// the same bytes, or both refuse it, or it is nested too deep for canonjson
+// and only jcs accepts it. It says whether canonjson accepted the text.
 func checkJCS(t *testing.T, text []byte) (accepted bool) {
 	t.Helper()
 	want, wantErr := jcs.Transform(text)
@@ -63,9 +66,34 @@ func checkJCS(t *testing.T, text []byte) (accepted bool) {
 		require.ErrorIs(t, err, canonjson.ErrNotCanonical, "%q: jcs fails with %v, got %q", text, wantErr, got)
 		return false
 	}
+	if depth(text) > canonjson.MaxDepth {
+		require.ErrorIs(t, err, canonjson.ErrNotCanonical, "%q is nested too deep, got %q", text, got)
+		return false
+	}
 	require.NoError(t, err, "%q: jcs gives %q", text, want)
 	require.Equal(t, string(want), string(got), "%q", text)
 	return true
+}
+
+// depth is how deeply arrays and objects nest in the JSON text.
+func depth(text []byte) int {
+	d, deepest, inString := 0, 0, false
+	for i := 0; i < len(text); i++ {
+		switch b := text[i]; {
+		case inString && b == '\\':
+			i++ // the escaped character cannot end the string
+		case inString:
+			inString = b != '"'
+		case b == '"':
+			inString = true
+		case b == '[' || b == '{':
+			d++
+			deepest = max(deepest, d)
+		case b == ']' || b == '}':
+			d--
+		}
+	}
+	return deepest
 }
 
 // FuzzJCS compares canonjson.Append with jcs on any input.
@@ -97,13 +125,21 @@ func TestJCSNumbers(t *testing.T) {
 }
 
 // TestJCSDepth nests as deep as canonjson allows, with members out of order
-// at every level, and deeper.
+// at every level, then deeper, as deep as jcs allows, and deeper still.
 func TestJCSDepth(t *testing.T) {
 	nested := func(depth int) []byte {
 		return []byte(strings.Repeat(`{"z":1,"y":[0,`, depth/2) + `"leaf"` + strings.Repeat(`],"x":2}`, depth/2))
 	}
 	require.True(t, checkJCS(t, nested(canonjson.MaxDepth)))
-	require.False(t, checkJCS(t, nested(canonjson.MaxDepth+2)))
+	for _, d := range []int{canonjson.MaxDepth + 2, 10000} {
+		text := nested(d)
+		_, err := jcs.Transform(text)
+		require.NoError(t, err, "jcs accepts %d deep", d)
+		require.False(t, checkJCS(t, text))
+	}
+	_, err := jcs.Transform(nested(10002))
+	require.Error(t, err)
+	require.False(t, checkJCS(t, nested(10002)))
 }
 
 // TestJCSRandomDocuments compares canonjson with jcs on random documents:
