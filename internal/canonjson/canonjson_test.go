@@ -2,6 +2,7 @@ package canonjson
 
 import (
 	"bytes"
+	"encoding/json"
 	"math"
 	"strings"
 	"testing"
@@ -161,4 +162,36 @@ func TestDepth(t *testing.T) {
 	require.ErrorIs(t, err, ErrNotCanonical)
 	_, err = Append(nil, bytes.Repeat([]byte("["), 1<<20))
 	require.ErrorIs(t, err, ErrNotCanonical)
+}
+
+// FuzzAppend checks what must hold for any input, without another
+// canonicaliser to compare with: a refused text leaves dst as it was; an
+// accepted one comes out as JSON with the same value, and canonicalising
+// that again changes nothing.
+func FuzzAppend(f *testing.F) {
+	for _, seed := range rejected {
+		f.Add([]byte(seed))
+	}
+	for _, seed := range []string{
+		`{"b":[{"d":1,"c":{"f":2,"e":3}}],"a":0}`, `[1e21, 1e-7, -0, 5e-324, 100.000, -12.50e1]`,
+		`"\u2028\u007f\u0001\b\t\n\f\r\/"`, `{"\ud83d\ude00":1,"\ufb33":2,"\u00f6":3}`,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, text []byte) {
+		out, err := Append([]byte("dst"), text)
+		if err != nil {
+			require.ErrorIs(t, err, ErrNotCanonical)
+			require.Equal(t, "dst", string(out))
+			return
+		}
+		out = out[len("dst"):]
+		var want, got any
+		require.NoError(t, json.Unmarshal(text, &want), "%q", text)
+		require.NoError(t, json.Unmarshal(out, &got), "%q gives %q", text, out)
+		require.Equal(t, want, got, "%q gives %q", text, out)
+		again, err := Append(nil, out)
+		require.NoError(t, err, "%q gives %q", text, out)
+		require.Equal(t, string(out), string(again), "%q", text)
+	})
 }
