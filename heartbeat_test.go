@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -387,13 +388,20 @@ func TestMigratingClaimUndoHasADeadline(t *testing.T) {
 // can leave its record neither settled nor renewed.
 func TestSetDispositionRefusesUnknown(t *testing.T) {
 	g := New(NewMemoryStore(MemoryOptions{}), Options{})
-	res, err := g.Do(context.Background(), Key{Name: "k"}, FingerprintOf("op", nil), func(ctx context.Context) (Response, error) {
+	k, fp := Key{Name: "k"}, FingerprintOf("op", nil)
+	_, err := g.Do(context.Background(), k, fp, func(ctx context.Context) (Response, error) {
 		assert.False(t, SetDisposition(ctx, Disposition(7)), "SetDisposition(7)")
 		assert.False(t, SetDisposition(ctx, abandon), "SetDisposition(abandon)")
 		return Response{Status: 201}, nil
 	})
 	require.NoError(t, err)
-	assert.Equal(t, Keep, res.Disposition)
+	res, err := g.Do(context.Background(), k, fp, func(context.Context) (Response, error) {
+		t.Error("the operation ran again: its outcome was not kept")
+		return Response{}, nil
+	})
+	require.NoError(t, err)
+	assert.True(t, res.Replayed, "the outcome was kept")
+	assert.Equal(t, 201, res.Response.Status)
 }
 
 // A handler whose response is settled early, before it streams, stays bound
@@ -455,4 +463,34 @@ func TestFailOpenRefusesLateClaim(t *testing.T) {
 	h.ServeHTTP(rr, keyed("late", "{}"))
 	assert.False(t, ran, "FailOpen ran the handler on a late claim")
 	assert.Equal(t, http.StatusServiceUnavailable, rr.Code)
+}
+
+// A waiter takes over from an owner that stopped renewing as soon as the
+// owner's lease runs out, not at its next regular re-read: here that re-read
+// is an hour away and the wait times out after 5s.
+func TestWaiterTakesOverWhenLeaseRunsOut(t *testing.T) {
+	check := func(t *testing.T, s Store) {
+		ctx := context.Background()
+		k, fp := Key{Scope: t.Name(), Name: "stopped"}, FingerprintOf("charge", nil)
+		// An owner that claimed and then stopped: nothing renews its lease.
+		c, err := s.Claim(ctx, ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op-stopped", Lease: 300 * time.Millisecond, Retention: time.Hour})
+		require.NoError(t, err)
+		require.Equal(t, Owner, c.State)
+
+		g := New(s, Options{RecheckInterval: time.Hour, WaitTimeout: 5 * time.Second})
+		var attempt int
+		var abandoned bool
+		res, err := g.Do(ctx, k, fp, func(ctx context.Context) (Response, error) {
+			i, _ := FromContext(ctx)
+			attempt, abandoned = i.Attempt, i.Abandoned
+			return Response{Status: 201}, nil
+		})
+		require.NoError(t, err, "the waiter did not take over")
+		assert.False(t, res.Replayed)
+		assert.Equal(t, "op-stopped", res.OperationID)
+		assert.Equal(t, 2, attempt)
+		assert.True(t, abandoned)
+	}
+	t.Run("memory", func(t *testing.T) { check(t, NewMemoryStore(MemoryOptions{})) })
+	redisBackends(t, func(t *testing.T, c *redis.Client) { check(t, newRedisStore(t, c)) })
 }

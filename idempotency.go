@@ -140,7 +140,8 @@ type Options struct {
 	// negative: do not wait.
 	WaitTimeout time.Duration
 	// RecheckInterval is how often a waiter re-reads the record even without
-	// a wake-up, which catches an original whose lease ran out. Default 1s.
+	// a wake-up; it also re-reads when the original's lease runs out, to
+	// take over from an owner that stopped. Default 1s.
 	RecheckInterval time.Duration
 	// MaxWaiters bounds the requests of one Guard waiting at once; past it a
 	// duplicate fails with ErrInFlight at once. Default 10000.
@@ -200,8 +201,7 @@ func New(store Store, opts Options) *Guard {
 // was replayed from an earlier attempt rather than produced by this call.
 type Result struct {
 	Response    Response
-	Replayed    bool        // stored earlier, or settled by Options.Recover
-	Disposition Disposition // what was done with the record (Keep for a replay)
+	Replayed    bool // stored earlier, or settled by Options.Recover
 	OperationID string
 }
 
@@ -292,7 +292,7 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (c Claim, sent
 		return c, sent, errors.Join(ErrInFlight, err)
 	}
 	defer wake.Close()
-	recheck := time.NewTicker(g.opts.RecheckInterval)
+	recheck := time.NewTimer(g.opts.RecheckInterval)
 	defer recheck.Stop()
 	req.Watch = true
 	for {
@@ -308,6 +308,9 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (c Claim, sent
 		if c.State != InFlight {
 			return c, sent, claimErr(c, nil)
 		}
+		// An owner that stopped renewing is taken over as soon as its
+		// lease runs out, rather than at the next regular re-read.
+		recheck.Reset(min(g.opts.RecheckInterval, c.LeaseLeft+time.Millisecond))
 		select {
 		case <-wake.C():
 		case <-recheck.C:

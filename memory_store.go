@@ -195,14 +195,6 @@ func (s *MemoryStore) Abandoned(_ context.Context, limit int) ([]AbandonedRecord
 	return oldestFirst(all, limit), nil
 }
 
-// Len returns the number of records held, expired ones included until they
-// are dropped.
-func (s *MemoryStore) Len() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.records)
-}
-
 func (s *MemoryStore) lookup(k Key, now time.Time) *memRecord {
 	r := s.records[k]
 	if r != nil && !r.expires.After(now) {

@@ -112,7 +112,7 @@ func (o *owner) run(fn func(ctx context.Context) (Response, error)) (Result, err
 		case err != nil:
 			return Result{}, err
 		case d == Keep || d == Settled:
-			return Result{Response: resp, Replayed: true, Disposition: d, OperationID: o.c.OperationID}, nil
+			return Result{Response: resp, Replayed: true, OperationID: o.c.OperationID}, nil
 		}
 		// The hook found that the operation never happened: run it now,
 		// still under the same lease, unless the hook outlasted it.
@@ -131,7 +131,7 @@ func (o *owner) run(fn func(ctx context.Context) (Response, error)) (Result, err
 	if err := o.settle(resp, d); err != nil {
 		return Result{}, err
 	}
-	return Result{Response: resp, Disposition: d, OperationID: o.c.OperationID}, nil
+	return Result{Response: resp, OperationID: o.c.OperationID}, nil
 }
 
 // recover runs Options.Recover as the owner of an abandoned record and

@@ -104,7 +104,7 @@ type Claim struct {
 	Token       uint64        // Owner: this attempt's fencing token
 	Abandoned   bool          // Owner: the previous attempt's lease ran out unsettled
 	Response    Response      // Completed
-	LeaseLeft   time.Duration // InFlight: time until the owner's lease runs out
+	LeaseLeft   time.Duration // InFlight: time until the owner's lease runs out; a waiter re-claims then
 }
 
 // dueRecord is an abandoned record with the time its lease ran out, in a

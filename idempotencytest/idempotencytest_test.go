@@ -73,7 +73,6 @@ func TestMemoryStoreMaxRecords(t *testing.T) {
 	owned("live")
 	_, err := claim("third")
 	require.ErrorIs(t, err, idempotency.ErrUnavailable, "a new record in a store full of live records")
-	require.Equal(t, 2, store.Len(), "records after the refused claim")
 
 	// Records already held are still served when the store is full.
 	c, err := claim("live")
@@ -84,7 +83,6 @@ func TestMemoryStoreMaxRecords(t *testing.T) {
 	require.NoError(t, store.Complete(ctx, idempotency.Key{Name: "done"}, done.Token, resp, time.Minute))
 	clock.Advance(2 * time.Minute)
 	owned("third") // room made by dropping the expired record
-	require.Equal(t, 2, store.Len(), "records after the expired one was dropped")
 
 	c, err = claim("live")
 	require.NoError(t, err, "claim of the live record after the drop")
