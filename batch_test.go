@@ -30,7 +30,8 @@ func batchedCalls(t *testing.T, c redis.UniversalClient, o RedisOptions, flush f
 	ctx := context.Background()
 	g := &sendGate{open: make(chan struct{}), flush: flush}
 	c.AddHook(g)
-	s := NewRedisStore(c, o)
+	s, err := NewRedisStore(c, o)
+	require.NoError(t, err)
 	t.Cleanup(func() { s.Close() })
 	guard := New(s, Options{})
 	batcher := s.batch

@@ -69,7 +69,8 @@ func benchResponse() Response {
 // round trips (see batcher).
 func BenchmarkRedisClaim(b *testing.B) {
 	replay := func(b *testing.B, c redis.UniversalClient, parallel bool) {
-		s := NewRedisStore(c, RedisOptions{})
+		s, err := NewRedisStore(c, RedisOptions{})
+		require.NoError(b, err)
 		b.Cleanup(func() { s.Close() })
 		g := New(s, Options{})
 		k, fp := Key{Name: "replayed"}, FingerprintOf("charge", benchBody())
@@ -82,7 +83,7 @@ func BenchmarkRedisClaim(b *testing.B) {
 			}
 			return true
 		}
-		_, err := g.Do(context.Background(), k, fp, fn)
+		_, err = g.Do(context.Background(), k, fp, fn)
 		require.NoError(b, err)
 		b.ReportAllocs()
 		if parallel {

@@ -48,7 +48,8 @@ func clusterMiddleware(t *testing.T, cl *testserver.Cluster) {
 	cc := cl.Client()
 	var stores atomic.Int64
 	fresh := func(t *testing.T) Store {
-		s := NewRedisStore(cc, RedisOptions{Prefix: fmt.Sprintf("mw%d:", stores.Add(1))})
+		s, err := NewRedisStore(cc, RedisOptions{Prefix: fmt.Sprintf("mw%d:", stores.Add(1))})
+		require.NoError(t, err)
 		t.Cleanup(func() { s.Close() })
 		return s
 	}
@@ -149,9 +150,10 @@ func clusterSlotMigration(t *testing.T, cl *testserver.Cluster) {
 	// A store with Replicas set, on a client that loads its slot map now,
 	// before the move, and keeps it until a reply says it is stale: its
 	// first claim in the slot after the move meets MOVED.
-	durable := NewRedisStore(cl.Client(), RedisOptions{Replicas: 1})
+	durable, err := NewRedisStore(cl.Client(), RedisOptions{Replicas: 1})
+	require.NoError(t, err)
 	t.Cleanup(func() { durable.Close() })
-	_, err := durable.master(ctx, rec)
+	_, err = durable.master(ctx, rec)
 	require.NoError(t, err)
 	other := sameBucket(k, "migrating-durable")
 
@@ -211,7 +213,8 @@ func clusterSlotMigration(t *testing.T, cl *testserver.Cluster) {
 func clusterConfirmedClaim(t *testing.T, cl *testserver.Cluster) {
 	ctx := context.Background()
 	cc := cl.Client()
-	s := NewRedisStore(cc, RedisOptions{Replicas: 1, ReplicaTimeout: 500 * time.Millisecond})
+	s, err := NewRedisStore(cc, RedisOptions{Replicas: 1, ReplicaTimeout: 500 * time.Millisecond})
+	require.NoError(t, err)
 	t.Cleanup(func() { s.Close() })
 	g := New(s, Options{Lease: time.Minute, WaitTimeout: -1})
 	k, fp := Key{Name: "confirmed"}, FingerprintOf("charge", nil)
@@ -258,7 +261,6 @@ func clusterConfirmedClaim(t *testing.T, cl *testserver.Cluster) {
 	}
 	// Right after a failover the cluster may still refuse a command; what
 	// must never happen is the operation running again.
-	var err error
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
 		if _, err = retry(); !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrInFlight) {
 			break

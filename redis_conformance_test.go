@@ -7,6 +7,7 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
 
 	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/idempotencytest"
@@ -55,7 +56,8 @@ func miniredisHarness(t *testing.T) idempotencytest.Harness {
 }
 
 func redisStore(t *testing.T, c redis.UniversalClient) *idempotency.RedisStore {
-	s := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
+	s, err := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
+	require.NoError(t, err)
 	t.Cleanup(func() { s.Close(); c.Close() })
 	return s
 }

@@ -16,7 +16,10 @@ import (
 )
 
 func TestRedisKeyLayout(t *testing.T) {
-	s := NewRedisStore(nil, RedisOptions{Prefix: "p:"})
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never dialled
+	defer c.Close()
+	s, err := NewRedisStore(c, RedisOptions{Prefix: "p:"})
+	require.NoError(t, err)
 	rec, bk := s.recordKey(Key{Scope: "acct:1", Name: "k}{x"})
 	tag := rec[:strings.IndexByte(rec, '}')+1]
 	assert.True(t, strings.HasPrefix(rec, "p:{"), rec)
@@ -29,7 +32,8 @@ func TestRedisKeyLayout(t *testing.T) {
 	b, _ := s.recordKey(Key{Scope: "a", Name: "1:b"})
 	assert.NotEqual(t, a, b)
 
-	assert.Panics(t, func() { NewRedisStore(nil, RedisOptions{Prefix: "x{"}) })
+	_, err = NewRedisStore(c, RedisOptions{Prefix: "x{"})
+	assert.ErrorContains(t, err, "holds a brace")
 }
 
 // TestRecordLayout checks that lua/record.lua and redis_record.go lay a

@@ -31,7 +31,8 @@ func TestRedisReplicas(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return conn.Incr(ctx, "ready").Err() == nil && conn.Wait(ctx, 1, 100*time.Millisecond).Val() == 1
 	}, 10*time.Second, 10*time.Millisecond)
-	s := NewRedisStore(pc, RedisOptions{Replicas: 1, ReplicaTimeout: 500 * time.Millisecond})
+	s, err := NewRedisStore(pc, RedisOptions{Replicas: 1, ReplicaTimeout: 500 * time.Millisecond})
+	require.NoError(t, err)
 	t.Cleanup(func() { s.Close() })
 	g := New(s, Options{})
 	fp := FingerprintOf("charge", nil)
@@ -124,15 +125,18 @@ func TestRedisReplicas(t *testing.T) {
 	})
 }
 
-// TestRedisReplicasMisconfigured: Replicas cannot be asked of a client that
-// has no master to wait on, nor with a wait that the client would time out.
+// TestRedisReplicasMisconfigured: Replicas cannot be asked with a wait that
+// the client would time out.
 func TestRedisReplicasMisconfigured(t *testing.T) {
-	assert.Panics(t, func() { NewRedisStore(nil, RedisOptions{Replicas: 1}) })
 	c := redis.NewClient(&redis.Options{ReadTimeout: time.Second})
 	defer c.Close()
-	assert.Panics(t, func() { NewRedisStore(c, RedisOptions{Replicas: 1}) }, "default ReplicaTimeout, 1s")
-	assert.NotPanics(t, func() { NewRedisStore(c, RedisOptions{Replicas: 1, ReplicaTimeout: 900 * time.Millisecond}).Close() })
+	_, err := NewRedisStore(c, RedisOptions{Replicas: 1})
+	assert.ErrorContains(t, err, "ReplicaTimeout 1s is not below the client's ReadTimeout 1s", "default ReplicaTimeout, 1s")
+	s, err := NewRedisStore(c, RedisOptions{Replicas: 1, ReplicaTimeout: 900 * time.Millisecond})
+	require.NoError(t, err)
+	s.Close()
 	cc := redis.NewClusterClient(&redis.ClusterOptions{ReadTimeout: time.Second})
 	defer cc.Close()
-	assert.Panics(t, func() { NewRedisStore(cc, RedisOptions{Replicas: 1, ReplicaTimeout: 2 * time.Second}) })
+	_, err = NewRedisStore(cc, RedisOptions{Replicas: 1, ReplicaTimeout: 2 * time.Second})
+	assert.ErrorContains(t, err, "is not below the client's ReadTimeout")
 }

@@ -106,7 +106,6 @@ type RedisOptions struct {
 	// (replays, duplicates in flight) ignore the count, though they too wait
 	// up to ReplicaTimeout while replicas are missing. Default 0: nothing
 	// waits, and a failover may lose the writes of the moments before it.
-	// It needs a *redis.Client or a *redis.ClusterClient.
 	Replicas int
 	// ReplicaTimeout bounds each wait for Replicas; it must be below the
 	// client's ReadTimeout. Default 1s.
@@ -150,18 +149,23 @@ type RedisStore struct {
 	reload func(ctx context.Context) // refreshes the cluster's slot map
 }
 
-// NewRedisStore returns a store on c: a *redis.ClusterClient makes it use
-// the cluster's sharded pub/sub; any other client is taken for one server
-// (a Sentinel failover client is one). It panics if o.Prefix holds a brace,
-// or if o.Replicas is set and c is neither a *redis.Client nor a
-// *redis.ClusterClient, or o.ReplicaTimeout is not below c's ReadTimeout.
-// Close it to release its pub/sub connections.
-func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
+// NewRedisStore returns a store on c, which must be a *redis.Client
+// (standalone, or Sentinel through redis.NewFailoverClient) or a
+// *redis.ClusterClient, as redis.NewUniversalClient returns: the store
+// wakes waiters through pub/sub on the server that holds each record, which
+// it finds through the concrete client (sharded pub/sub on a cluster).
+// Any other client, such as a *redis.Ring, which spreads one record's
+// channel and keys by its own rules, or a type wrapping a client, is
+// refused; instrument a client with go-redis hooks (AddHook) instead of
+// wrapping it. NewRedisStore also refuses a Prefix holding a brace, and,
+// with Replicas set, a ReplicaTimeout not below c's ReadTimeout.
+// Close the store to release its pub/sub connections.
+func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error) {
 	if o.Prefix == "" {
 		o.Prefix = "idem:"
 	}
 	if strings.ContainsAny(o.Prefix, "{}") {
-		panic(fmt.Sprintf("idempotency: RedisOptions.Prefix %q holds a brace", o.Prefix))
+		return nil, fmt.Errorf("idempotency: RedisOptions.Prefix %q holds a brace, which would change the keys' hash slots", o.Prefix)
 	}
 	if o.ReplicaTimeout <= 0 {
 		o.ReplicaTimeout = time.Second
@@ -197,17 +201,14 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) *RedisStore {
 		s.reload = func(context.Context) {}
 		readTimeout = c.Options().ReadTimeout
 	default:
-		if o.Replicas > 0 {
-			panic(fmt.Sprintf("idempotency: RedisOptions.Replicas needs a *redis.Client or *redis.ClusterClient, not %T", c))
-		}
-		s.publish, s.waiters = "PUBLISH", newWaiters(c)
+		return nil, fmt.Errorf("idempotency: NewRedisStore needs a *redis.Client or a *redis.ClusterClient, not %T", c)
 	}
 	// WAIT is read, pipelined, within the client's ReadTimeout; a read that
 	// times out would have go-redis run the script again.
 	if o.Replicas > 0 && readTimeout > 0 && o.ReplicaTimeout >= readTimeout {
-		panic(fmt.Sprintf("idempotency: RedisOptions.ReplicaTimeout %v is not below the client's ReadTimeout %v", o.ReplicaTimeout, readTimeout))
+		return nil, fmt.Errorf("idempotency: RedisOptions.ReplicaTimeout %v is not below the client's ReadTimeout %v", o.ReplicaTimeout, readTimeout)
 	}
-	return s
+	return s, nil
 }
 
 // Close releases the store's pub/sub connections; it does not close the

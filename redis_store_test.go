@@ -35,7 +35,8 @@ func redisBackends(t *testing.T, f func(t *testing.T, c *redis.Client)) {
 }
 
 func newRedisStore(t *testing.T, c redis.UniversalClient) *RedisStore {
-	s := NewRedisStore(c, RedisOptions{})
+	s, err := NewRedisStore(c, RedisOptions{})
+	require.NoError(t, err)
 	t.Cleanup(func() { s.Close() })
 	return s
 }
@@ -56,12 +57,30 @@ func TestRedisStoreMode(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			c := redis.NewUniversalClient(&tc.opts)
 			defer c.Close()
-			s := NewRedisStore(c, RedisOptions{Replicas: 1, ReplicaTimeout: time.Millisecond})
+			s, err := NewRedisStore(c, RedisOptions{Replicas: 1, ReplicaTimeout: time.Millisecond})
+			require.NoError(t, err)
 			defer s.Close()
 			assert.Equal(t, tc.publish, s.publish)
 		})
 	}
 }
+
+// Other clients are refused: a Ring spreads a record's keys and channel by
+// its own rules, and a wrapper hides the client the store needs to find the
+// server of a record. Nothing here connects.
+func TestRedisStoreRefusesOtherClients(t *testing.T) {
+	ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": "127.0.0.1:1"}})
+	defer ring.Close()
+	_, err := NewRedisStore(ring, RedisOptions{})
+	assert.ErrorContains(t, err, "needs a *redis.Client or a *redis.ClusterClient, not *redis.Ring")
+
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer c.Close()
+	_, err = NewRedisStore(wrappedClient{c}, RedisOptions{})
+	assert.ErrorContains(t, err, "not idempotency.wrappedClient")
+}
+
+type wrappedClient struct{ redis.UniversalClient }
 
 // A waiter must be woken by the completion's publish, not by its re-check
 // timer: with an hour-long re-check, only pub/sub can end the wait.

@@ -134,7 +134,10 @@ func setup(ctx context.Context, cfg config, log io.Writer) (e *env, err error) {
 	}
 	e.setupPostgres(ctx, cfg)
 
-	rs := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{Replicas: cfg.replicas})
+	rs, err := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{Replicas: cfg.replicas})
+	if err != nil {
+		return e, err
+	}
 	e.closers = append(e.closers, rs.Close)
 	e.redisGuard = idempotency.New(rs, idempotency.Options{})
 	// Every new operation of the run must fit: a full memory store refuses.

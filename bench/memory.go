@@ -30,14 +30,17 @@ func (m recordMemory) Overhead() int64 { return m.Usage - int64(m.Body) }
 // keyspace: it finds the record by SCAN, which visits every key.
 func (e *env) recordMemory(ctx context.Context, size int) (recordMemory, error) {
 	prefix := fmt.Sprintf("benchmem%d-%s:", size, e.run)
-	s := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{Prefix: prefix})
+	s, err := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{Prefix: prefix})
+	if err != nil {
+		return recordMemory{}, err
+	}
 	defer s.Close()
 	resp := idempotency.Response{
 		Status: http.StatusCreated,
 		Header: http.Header{"Content-Type": {"application/json"}},
 		Body:   jsonBody(size),
 	}
-	_, err := idempotency.New(s, idempotency.Options{}).Do(ctx, idempotency.Key{Name: "record"}, fp,
+	_, err = idempotency.New(s, idempotency.Options{}).Do(ctx, idempotency.Key{Name: "record"}, fp,
 		func(context.Context) (idempotency.Response, error) { return resp, nil })
 	if err != nil {
 		return recordMemory{}, err

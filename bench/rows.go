@@ -277,20 +277,31 @@ func (s watchSignal) Claim(ctx context.Context, req idempotency.ClaimRequest) (i
 	return c, err
 }
 
-func (e *env) newWaker() *waker {
+func (e *env) newWaker() (*waker, error) {
 	oc := e.newRedisClient(1)
-	owner := idempotency.NewRedisStore(oc, idempotency.RedisOptions{})
-	waits := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{})
-	e.closers = append(e.closers, oc.Close, owner.Close, waits.Close)
+	e.closers = append(e.closers, oc.Close)
+	owner, err := idempotency.NewRedisStore(oc, idempotency.RedisOptions{})
+	if err != nil {
+		return nil, err
+	}
+	e.closers = append(e.closers, owner.Close)
+	waits, err := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{})
+	if err != nil {
+		return nil, err
+	}
+	e.closers = append(e.closers, waits.Close)
 	registered := make(chan struct{}, 1)
 	// No re-check timer during a sample: the waiter is woken by pub/sub or
 	// not at all.
 	g := idempotency.New(watchSignal{waits, registered}, idempotency.Options{RecheckInterval: time.Minute, WaitTimeout: 10 * time.Second})
-	return &waker{ownerClient: oc, owner: owner, waiter: g, registered: registered}
+	return &waker{ownerClient: oc, owner: owner, waiter: g, registered: registered}, nil
 }
 
 func (e *env) wakeUp(context.Context) (timedOp, error) {
-	wk := e.newWaker()
+	wk, err := e.newWaker()
+	if err != nil {
+		return nil, err
+	}
 	prefix := e.run + "wake-"
 	return func(ctx context.Context, w, i int) (time.Duration, error) {
 		return wk.sample(ctx, freshKey(prefix, w, i))
@@ -347,7 +358,10 @@ func (wk *waker) sample(ctx context.Context, name string) (time.Duration, error)
 // sends to Redis: not the owner's, not those its scripts run, not
 // connection handshakes.
 func (e *env) waiterCommands(ctx context.Context) (map[string]int, error) {
-	wk := e.newWaker()
+	wk, err := e.newWaker()
+	if err != nil {
+		return nil, err
+	}
 	info, err := wk.ownerClient.Do(ctx, "CLIENT", "INFO").Text()
 	if err != nil {
 		return nil, err

@@ -67,7 +67,8 @@ func TestStore(t *testing.T) {
 		{"MigrationToRedis", func(t *testing.T, f *fixture) {
 			// The zero-gap swap from a PostgreSQL table to Redis.
 			old, _ := f.store(t)
-			redis := idempotency.NewRedisStore(testserver.StartRedis(t).Client(), idempotency.RedisOptions{})
+			redis, err := idempotency.NewRedisStore(testserver.StartRedis(t).Client(), idempotency.RedisOptions{})
+			require.NoError(t, err)
 			t.Cleanup(func() { redis.Close() })
 			migrationtest.Run(t, old, redis)
 		}},

@@ -203,7 +203,12 @@ func openRedis(ctx context.Context, cfg config) (*backends, error) {
 		closeEmbedded()
 		return nil, fmt.Errorf("redis %s: %w", addr, err)
 	}
-	store := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
+	store, err := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
+	if err != nil {
+		c.Close()
+		closeEmbedded()
+		return nil, err
+	}
 	rb := &redisBackend{c: c, latency: cfg.work}
 	return &backends{store: store, gateway: rb, ledger: rb, close: func() {
 		store.Close()

@@ -692,7 +692,8 @@ func TestRecoveryRunsUnchargedOperation(t *testing.T) {
 	rs := testserver.StartRedis(t)
 	b := start(t, "-redis", rs.Addr, "-lease", "500ms")
 
-	store := idempotency.NewRedisStore(rs.Client(), idempotency.RedisOptions{})
+	store, err := idempotency.NewRedisStore(rs.Client(), idempotency.RedisOptions{})
+	require.NoError(t, err)
 	t.Cleanup(func() { _ = store.Close() })
 	guard := idempotency.New(crashedOwner{store}, idempotency.Options{Lease: 500 * time.Millisecond})
 	accepted := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusAccepted) })
@@ -744,7 +745,8 @@ func TestRecoveryWithoutAnAnswerWaits(t *testing.T) {
 	ctx, c := t.Context(), rs.Client()
 	require.NoError(t, c.Rename(ctx, gatewayChargesKey, gatewayChargesKey+":away").Err())
 	require.NoError(t, c.Set(ctx, gatewayChargesKey, "unreachable", 0).Err())
-	store := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
+	store, err := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
+	require.NoError(t, err)
 	t.Cleanup(func() { _ = store.Close() })
 	awaitAbandoned(t, store, "unknown")
 
