@@ -85,7 +85,11 @@ func (b *batcher) lead(ctx context.Context, leader *batchCall, batch []*batchCal
 	b.send(context.WithoutCancel(ctx), batch)
 }
 
-// handOff ends lead: see there.
+// handOff ends a send that leader led. The calls queued meanwhile, up to
+// maxBatch, go to the first of them, which leads them as the next send;
+// with none queued, the leader's turn in flight ends. Then the other calls
+// of batch, waiting in run for their send to end, are let go, and any the
+// pipeline gave no reply fail.
 func (b *batcher) handOff(leader *batchCall, batch []*batchCall) {
 	b.mu.Lock()
 	next := b.queue[:min(len(b.queue), maxBatch)]

@@ -268,12 +268,15 @@ func (s *RedisStore) giveUp(ctx context.Context, k Key, c Claim) {
 	_ = s.scripts.release.run(ctx, s.c, s.releaseArgs(k, c.Token, made))
 }
 
-// eval runs sc with args (made by sc.args), which name one record, through
-// a batcher. With RedisOptions.Replicas set, it runs in a pipeline ending
-// with WAIT on a client of the record's master, since WAIT covers only the
-// writes of its own connection, and unconfirmed says why a change the reply
-// reports, when durable (nil: always) says it is one to keep, was not
-// confirmed. The script's own failure is in cmd.
+// eval runs sc with args (made by sc.args) on the record they name,
+// through a batcher, and returns the script's reply, or its failure, in cmd.
+//
+// With RedisOptions.Replicas set, the script goes out in a pipeline that
+// ends with a WAIT for replicas, on a connection to the record's master,
+// since WAIT covers only the writes made on its own connection. If the
+// reply reports a change worth keeping (any reply that is not an error
+// when durable is nil, or one that durable accepts) and the replicas did
+// not confirm it, unconfirmed says why: a failover may lose that change.
 func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable func(*redis.Cmd) bool) (cmd *redis.Cmd, unconfirmed error) {
 	if s.replicas == 0 {
 		return s.batch.run(ctx, sc, args).cmd, nil
