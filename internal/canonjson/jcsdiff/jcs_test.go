@@ -1,13 +1,13 @@
-package canonjson_test
+package jcsdiff_test
 
 // This file holds every test that compares canonjson with
 // github.com/gowebpki/jcs, which canonicalised fingerprinted bodies before
 // canonjson did: a body jcs canonicalised must come out the same, and one it
 // refused must be refused, or stored fingerprints would change. The one
 // exception, by design, is a text nested deeper than canonjson.MaxDepth but
-// no deeper than jcs's limit of 10000, which only jcs accepts. The file
-// uses only the package's exported API and nothing from its other test
-// files, so that it can move to a module of its own.
+// no deeper than jcs's limit of 10000, which only jcs accepts. It is a
+// module of its own so that jcs is no requirement of the library's module:
+// go test github.com/idempotency-go/idempotency/... runs it from the root.
 
 import (
 	"bytes"
