@@ -363,7 +363,7 @@ func TestGiveUpOutlastsRenewalInFlight(t *testing.T) {
 	assert.True(t, c.Abandoned, "the record given up is no longer abandoned")
 }
 
-// A MigratingStore's own clean-up calls keep a deadline: a claim whose old
+// The migrating store's own clean-up calls keep a deadline: a claim whose old
 // store fails while the new store no longer answers returns within a lease.
 func TestMigratingClaimUndoHasADeadline(t *testing.T) {
 	const lease = 200 * time.Millisecond

@@ -9,7 +9,7 @@ import (
 	"github.com/idempotency-go/idempotency/internal/wakeup"
 )
 
-// MigrationOptions configures a MigratingStore. The zero value of every
+// MigrationOptions configures NewMigratingStore. The zero value of every
 // field is its documented default.
 type MigrationOptions struct {
 	// DualWrite also claims and settles every new record in the old store.
@@ -20,17 +20,8 @@ type MigrationOptions struct {
 	DualWrite bool
 }
 
-// MigratingStore moves a service from one store to another without a gap:
-// claims go to the new store, but a key the old store already holds is
-// honoured as it is there (replayed, mismatched, waited for, or taken over
-// with its operation ID) instead of run again. Use it until the old store's
-// retention window has run out, then use the new store alone; the README
-// gives the whole procedure.
-//
-// A claim that is fresh in the new store costs a claim in the old store as
-// well; one the new store can answer costs nothing more. Abandoned lists the
-// new store's records only: sweep the old store with a Guard of its own.
-type MigratingStore struct {
+// migratingStore is the store NewMigratingStore returns.
+type migratingStore struct {
 	old, new Store
 	opts     MigrationOptions
 
@@ -43,13 +34,22 @@ type ownerRef struct {
 	token uint64 // the new store's token
 }
 
-// NewMigratingStore returns a store that moves records from old to new.
-func NewMigratingStore(old, new Store, o MigrationOptions) *MigratingStore {
-	return &MigratingStore{old: old, new: new, opts: o, dual: make(map[ownerRef]uint64)}
+// NewMigratingStore returns a store that moves a service from old to new
+// without a gap: claims go to new, but a key old already holds is honoured
+// as it is there (replayed, mismatched, waited for, or taken over with its
+// operation ID) instead of run again, and the record moves to new. Use it
+// until old's retention window has run out, then use new alone; the README
+// gives the whole procedure.
+//
+// A claim that is fresh in new costs a claim in old as well; one new can
+// answer costs nothing more. A waiter is woken by a settlement in either
+// store. Abandoned lists new's records only: sweep old with a Guard of its
+// own.
+func NewMigratingStore(old, new Store, o MigrationOptions) Store {
+	return &migratingStore{old: old, new: new, opts: o, dual: make(map[ownerRef]uint64)}
 }
 
-// Claim implements Store.
-func (m *MigratingStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error) {
+func (m *migratingStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error) {
 	c, err := m.new.Claim(ctx, req)
 	if err != nil || c.State != Owner {
 		return c, err // the new store has the answer
@@ -113,7 +113,7 @@ func untake(ctx context.Context, s Store, k Key, token uint64, made bool) error 
 	return s.Release(ctx, k, token)
 }
 
-func (m *MigratingStore) remember(k Key, token, old uint64) {
+func (m *migratingStore) remember(k Key, token, old uint64) {
 	m.mu.Lock()
 	m.dual[ownerRef{k, token}] = old
 	m.mu.Unlock()
@@ -121,7 +121,7 @@ func (m *MigratingStore) remember(k Key, token, old uint64) {
 
 // oldToken returns the old store's token for an owner, if it holds one;
 // with done, it is forgotten.
-func (m *MigratingStore) oldToken(k Key, token uint64, done bool) (uint64, bool) {
+func (m *migratingStore) oldToken(k Key, token uint64, done bool) (uint64, bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	t, ok := m.dual[ownerRef{k, token}]
@@ -131,8 +131,7 @@ func (m *MigratingStore) oldToken(k Key, token uint64, done bool) (uint64, bool)
 	return t, ok
 }
 
-// Complete implements Store.
-func (m *MigratingStore) Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
+func (m *migratingStore) Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
 	if err := m.new.Complete(ctx, k, token, resp, retention); err != nil {
 		return err
 	}
@@ -142,24 +141,21 @@ func (m *MigratingStore) Complete(ctx context.Context, k Key, token uint64, resp
 	return nil
 }
 
-// Release implements Store.
-func (m *MigratingStore) Release(ctx context.Context, k Key, token uint64) error {
+func (m *migratingStore) Release(ctx context.Context, k Key, token uint64) error {
 	return m.settle(ctx, k, token, Store.Release)
 }
 
-// Forget implements Store.
-func (m *MigratingStore) Forget(ctx context.Context, k Key, token uint64) error {
+func (m *migratingStore) Forget(ctx context.Context, k Key, token uint64) error {
 	return m.settle(ctx, k, token, Store.Forget)
 }
 
-// Abandon implements Store.
-func (m *MigratingStore) Abandon(ctx context.Context, k Key, token uint64) error {
+func (m *migratingStore) Abandon(ctx context.Context, k Key, token uint64) error {
 	return m.settle(ctx, k, token, Store.Abandon)
 }
 
 // settle makes an owner's last call in the new store, then in the old one
 // when the owner holds the record there too.
-func (m *MigratingStore) settle(ctx context.Context, k Key, token uint64, call func(Store, context.Context, Key, uint64) error) error {
+func (m *migratingStore) settle(ctx context.Context, k Key, token uint64, call func(Store, context.Context, Key, uint64) error) error {
 	if err := call(m.new, ctx, k, token); err != nil {
 		return err
 	}
@@ -169,8 +165,7 @@ func (m *MigratingStore) settle(ctx context.Context, k Key, token uint64, call f
 	return nil
 }
 
-// Heartbeat implements Store.
-func (m *MigratingStore) Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error {
+func (m *migratingStore) Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error {
 	if err := m.new.Heartbeat(ctx, k, token, lease); err != nil {
 		if errors.Is(err, ErrFenced) {
 			m.oldToken(k, token, true)
@@ -183,13 +178,11 @@ func (m *MigratingStore) Heartbeat(ctx context.Context, k Key, token uint64, lea
 	return nil
 }
 
-// Abandoned implements Store, for the new store's records.
-func (m *MigratingStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecord, error) {
+func (m *migratingStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecord, error) {
 	return m.new.Abandoned(ctx, limit)
 }
 
-// Subscribe implements Store: the record may be settled in either store.
-func (m *MigratingStore) Subscribe(ctx context.Context, k Key) (Subscription, error) {
+func (m *migratingStore) Subscribe(ctx context.Context, k Key) (Subscription, error) {
 	n, err := m.new.Subscribe(ctx, k)
 	if err != nil {
 		return nil, err

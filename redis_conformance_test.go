@@ -80,7 +80,7 @@ func TestMigrationToRedis(t *testing.T) {
 	migrationtest.Run(t, idempotency.NewMemoryStore(idempotency.MemoryOptions{}), miniredisHarness(t).Store)
 }
 
-// A MigratingStore is a Store like any other: the whole suite runs on one
+// The store NewMigratingStore returns is a Store like any other: the whole suite runs on one
 // from a MemoryStore to a redis-server, with DualWrite, so that every owner
 // holds both records and a silent store is met on both paths.
 func TestMigratingStoreConformance(t *testing.T) {

@@ -1,4 +1,4 @@
-// Package migrationtest checks idempotency.MigratingStore between two real
+// Package migrationtest checks the store of idempotency.NewMigratingStore between two real
 // stores. Only this module's own tests use it (the memory store to Redis,
 // PostgreSQL to Redis), so it is kept out of the public API.
 package migrationtest
@@ -19,11 +19,11 @@ import (
 	"github.com/idempotency-go/idempotency"
 )
 
-// Run checks a MigratingStore from old to new, as a service moves from one
+// Run checks NewMigratingStore from old to new, as a service moves from one
 // store to the other, in subtests of t:
 //
 //   - HonoursOldRecords: a record old already holds is honoured through the
-//     MigratingStore. A completed one is replayed, without running the
+//     migrating store. A completed one is replayed, without running the
 //     operation again, and copied to new; a request with another fingerprint
 //     is refused with ErrMismatch; one in flight is waited for and then
 //     replayed; a released one runs again as attempt 2 under its operation ID.
