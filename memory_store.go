@@ -108,19 +108,13 @@ func (s *MemoryStore) Claim(_ context.Context, req ClaimRequest) (Claim, error) 
 
 // Complete implements Store.
 func (s *MemoryStore) Complete(_ context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	now := s.opts.Now()
-	r, err := s.owned(k, token, now)
-	if err != nil {
-		return err
-	}
 	// Keep a copy: the caller may reuse its buffers once Complete returns.
 	resp.Header = resp.Header.Clone()
 	resp.Body = bytes.Clone(resp.Body)
-	r.state, r.response, r.expires = memCompleted, resp, now.Add(retention)
-	s.subs.Wake(k)
-	return nil
+	return s.owned(k, token, func(r *memRecord, now time.Time) {
+		r.state, r.response, r.expires = memCompleted, resp, now.Add(retention)
+		s.subs.Wake(k)
+	})
 }
 
 // Release implements Store.
@@ -135,19 +129,14 @@ func (s *MemoryStore) Forget(_ context.Context, k Key, token uint64) error {
 
 // end releases or, with forget, deletes the record owned by token.
 func (s *MemoryStore) end(k Key, token uint64, forget bool) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	r, err := s.owned(k, token, s.opts.Now())
-	if err != nil {
-		return err
-	}
-	if forget {
-		delete(s.records, k)
-	} else {
-		r.state = memReleased
-	}
-	s.subs.Wake(k)
-	return nil
+	return s.owned(k, token, func(r *memRecord, _ time.Time) {
+		if forget {
+			delete(s.records, k)
+		} else {
+			r.state = memReleased
+		}
+		s.subs.Wake(k)
+	})
 }
 
 // Heartbeat implements Store.
@@ -162,15 +151,7 @@ func (s *MemoryStore) Abandon(_ context.Context, k Key, token uint64) error {
 
 // renew sets the lease of the record owned by token to end lease from now.
 func (s *MemoryStore) renew(k Key, token uint64, lease time.Duration) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	now := s.opts.Now()
-	r, err := s.owned(k, token, now)
-	if err != nil {
-		return err
-	}
-	r.leaseUntil = now.Add(lease)
-	return nil
+	return s.owned(k, token, func(r *memRecord, now time.Time) { r.leaseUntil = now.Add(lease) })
 }
 
 // Subscribe implements Store. It is confirmed at once: every transition
@@ -204,12 +185,18 @@ func (s *MemoryStore) lookup(k Key, now time.Time) *memRecord {
 	return r
 }
 
-func (s *MemoryStore) owned(k Key, token uint64, now time.Time) (*memRecord, error) {
+// owned applies change, under the store's lock and at the store's time now,
+// to the record of k if token owns it, and returns ErrFenced otherwise.
+func (s *MemoryStore) owned(k Key, token uint64, change func(r *memRecord, now time.Time)) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.opts.Now()
 	r := s.lookup(k, now)
 	if r == nil || r.state != memInFlight || r.token != token {
-		return nil, ErrFenced
+		return ErrFenced
 	}
-	return r, nil
+	change(r, now)
+	return nil
 }
 
 func (s *MemoryStore) dropExpired(now time.Time) {

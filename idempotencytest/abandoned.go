@@ -19,15 +19,10 @@ import (
 // came before the release, which is when the release is fenced.
 func abandonedTakeover(e *env) {
 	fp := fingerprint("a")
-	short := func(label string) (idempotency.ClaimRequest, idempotency.Claim) {
-		req := request(e.key(label), fp)
-		req.Lease = e.lease
-		return req, e.own(req, 1, req.OperationID, "first claim, with a short lease")
-	}
-	expired, _ := short("expired")
-	released, releasedOwner := short("released")
+	expired, _ := e.ownShortLease("expired", fp)
+	released, releasedOwner := e.ownShortLease("released", fp)
 	e.release(released.Key, releasedOwner.Token, "the owner of the record to release")
-	forgotten, forgottenOwner := short("forgotten")
+	forgotten, forgottenOwner := e.ownShortLease("forgotten", fp)
 	e.forget(forgotten.Key, forgottenOwner.Token, "the owner of the record to forget")
 	gone := request(e.key("gone"), fp)
 	gone.Lease, gone.Retention = e.lease, e.lease
@@ -38,7 +33,7 @@ func abandonedTakeover(e *env) {
 	}
 	races := make([]raced, 4)
 	for i := range races {
-		races[i].req, races[i].owner = short("release-race")
+		races[i].req, races[i].owner = e.ownShortLease("release-race", fp)
 	}
 	e.wait(e.past)
 

@@ -89,6 +89,14 @@ func (e *env) claim(req idempotency.ClaimRequest) idempotency.Claim {
 	return c
 }
 
+// ownShortLease makes a record of label owned under a lease that the case
+// lets run out, and returns the claim's request and its answer.
+func (e *env) ownShortLease(label string, fp idempotency.Fingerprint) (idempotency.ClaimRequest, idempotency.Claim) {
+	req := request(e.key(label), fp)
+	req.Lease = e.lease
+	return req, e.own(req, 1, req.OperationID, "first claim, with a short lease")
+}
+
 // own claims req and asserts that it made the caller the owner.
 func (e *env) own(req idempotency.ClaimRequest, attempt int, opID, what string) idempotency.Claim {
 	e.t.Helper()

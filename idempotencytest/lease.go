@@ -21,14 +21,9 @@ import (
 // still holds the current token and can complete the record.
 func takeoverAfterLeaseExpiry(e *env) {
 	fp := fingerprint("a")
-	shortClaim := func(label string) (idempotency.ClaimRequest, idempotency.Claim) {
-		req := request(e.key(label), fp)
-		req.Lease = e.lease
-		return req, e.own(req, 1, req.OperationID, "first claim, with a short lease")
-	}
-	single, singleOwner := shortClaim("takeover")
-	raced, racedOwner := shortClaim("takeover-race")
-	late, lateOwner := shortClaim("late-owner")
+	single, singleOwner := e.ownShortLease("takeover", fp)
+	raced, racedOwner := e.ownShortLease("takeover-race", fp)
+	late, lateOwner := e.ownShortLease("late-owner", fp)
 	e.wait(e.past)
 
 	e.requireState(idempotency.Mismatch, e.claim(request(single.Key, fingerprint("b"))),
