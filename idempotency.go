@@ -14,6 +14,11 @@
 // window) or releases it (the next retry becomes the owner, with the same
 // operation ID); an owner whose lease ran out can be taken over, and from then
 // on it can change nothing.
+//
+// Store, Subscription, ClaimRequest, Claim, ClaimState and AbandonedRecord
+// are for implementing a store of one's own; a user of a Guard needs none
+// of them. ARCHITECTURE.md in the repository describes the state machine,
+// the stores' layouts and the invariants the code keeps.
 package idempotency
 
 import (

@@ -7,6 +7,8 @@ import (
 	"time"
 )
 
+// This file holds what a store implements, and nothing a Guard's user needs.
+
 // Store keeps records. Each method is one atomic transition of the record's
 // state machine, judged by the store's own clock; implementations must pass
 // the conformance suite in package idempotencytest. Errors other than
