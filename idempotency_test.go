@@ -1,9 +1,12 @@
 package idempotency
 
 import (
+	"context"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
@@ -19,4 +22,45 @@ func TestNewOperationID(t *testing.T) {
 		require.False(t, seen[id], "%s made twice", id)
 		seen[id] = true
 	}
+}
+
+// Options.MaxWaiters bounds the duplicates that wait at once: past it a
+// duplicate fails with ErrInFlight at once, and those waiting still get the
+// original's answer.
+func TestMaxWaiters(t *testing.T) {
+	ctx := context.Background()
+	g := New(NewMemoryStore(MemoryOptions{}), Options{MaxWaiters: 1, WaitTimeout: 10 * time.Second})
+	k, fp := Key{Name: "busy"}, FingerprintOf("charge", nil)
+	started, finish := make(chan struct{}), make(chan struct{})
+	original := make(chan error, 1)
+	go func() {
+		_, err := g.Do(ctx, k, fp, func(context.Context) (Response, error) {
+			close(started)
+			<-finish
+			return Response{Status: 201}, nil
+		})
+		original <- err
+	}()
+	<-started
+	never := func(context.Context) (Response, error) {
+		t.Error("a duplicate ran the operation")
+		return Response{}, nil
+	}
+	waiter := make(chan Result, 1)
+	go func() {
+		r, err := g.Do(ctx, k, fp, never)
+		assert.NoError(t, err, "the waiter")
+		waiter <- r
+	}()
+	require.Eventually(t, func() bool { return len(g.waiters) == 1 }, 5*time.Second, time.Millisecond, "the first duplicate never waited")
+
+	_, err := g.Do(ctx, k, fp, never)
+	require.ErrorIs(t, err, ErrInFlight, "a duplicate past MaxWaiters")
+	assert.ErrorContains(t, err, "1 requests already waiting")
+
+	close(finish)
+	require.NoError(t, <-original)
+	r := <-waiter
+	assert.True(t, r.Replayed)
+	assert.Equal(t, 201, r.Response.Status)
 }

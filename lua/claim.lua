@@ -47,7 +47,9 @@ if st == IN_FLIGHT then
   end
 end
 -- Released, or in flight past its lease: take over. The new token fences
--- the previous owner off; the operation ID stays, and so do the waiters.
+-- the previous owner off; the operation ID stays, and so does the waited
+-- flag of an expired lease's waiters (a release cleared it and woke them:
+-- they register again).
 -- A record still in flight was abandoned by its owner.
 abandoned = st == IN_FLIGHT and '1' or '0'
 token = string.format('%d', redis.call('INCR', seq))

@@ -18,8 +18,8 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
     attempt      integer     NOT NULL,
     operation_id text        NOT NULL,
     lease_until  timestamptz NOT NULL,
-    -- The outcome in idempotency.Response's binary encoding, the same bytes
-    -- every store keeps; set exactly when the record is completed.
+    -- The outcome in the stored-response form of internal/wire, the same
+    -- bytes every store keeps; set exactly when the record is completed.
     response     bytea       CHECK ((state = 'completed') = (response IS NOT NULL)),
     -- A waiter registered on this record: only then does settling it notify.
     waiters      boolean     NOT NULL DEFAULT false,

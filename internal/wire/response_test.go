@@ -116,3 +116,19 @@ func BenchmarkParseResponse(b *testing.B) {
 		ParseHead(string(enc[:n]))
 	}
 }
+
+// TestResponseFormPinned pins the bytes of one stored response: records
+// written by earlier versions must keep reading the same, so a change to
+// AppendResponse that alters them must fail here first.
+func TestResponseFormPinned(t *testing.T) {
+	const stored = "\xc9\x01" + // status 201
+		"\x01" + // one header field
+		"\x08Location" + "\x0d/v1/charges/1" +
+		`{"id":1}`
+	got := AppendResponse(nil, 201, http.Header{"Location": {"/v1/charges/1"}}, []byte(`{"id":1}`))
+	assert.Equal(t, stored, string(got))
+	status, h, body := decode(t, []byte(stored))
+	assert.Equal(t, 201, status)
+	assert.Equal(t, http.Header{"Location": {"/v1/charges/1"}}, h)
+	assert.Equal(t, `{"id":1}`, string(body))
+}
