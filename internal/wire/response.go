@@ -60,7 +60,8 @@ func HeadLen[T string | []byte](enc T) (int, error) {
 // values are cut from head, and the values share one array, so that a
 // replay costs few allocations.
 func ParseHead(head string) (status int, header http.Header) {
-	status, fields, _, _ := walk(head, nil)
+	st, n := uvarint(head)
+	fields, _ := uvarint(head[n:])
 	header = make(http.Header, fields)
 	values := make([]string, 0, fields)
 	_, _, _, _ = walk(head, func(name, v string) {
@@ -73,7 +74,7 @@ func ParseHead(head string) (status int, header http.Header) {
 		// of this name copies rather than overwrites the next name's.
 		header[name] = values[len(values)-1 : len(values) : len(values)]
 	})
-	return status, header
+	return int(st), header
 }
 
 // walk reads the head of enc, calling field, unless nil, on each header
