@@ -161,6 +161,7 @@ func DefaultDisposition(status int) Disposition {
 //	#ErrInFlight              409  original still running after the wait; Retry-After
 //	#ErrFenced                503  ownership lost before the outcome was stored; Retry-After
 //	#ErrUnavailable           503  the store failed; Retry-After
+//	#problem-client-gone      499  the client went away before the answer (no one reads it)
 func (g *Guard) Middleware(o MiddlewareOptions) func(http.Handler) http.Handler {
 	o = o.withDefaults()
 	secs := max(1, int64(math.Ceil(o.RetryAfter.Seconds())))
@@ -176,7 +177,13 @@ var (
 	errBodyUnreadable = errors.New("idempotency: request body unreadable")
 	errNotStored      = errors.New("idempotency: response discarded: its outcome could not be stored")
 	errHijack         = errors.New("idempotency: Hijack is not supported by a guarded handler")
+	errClientGone     = errors.New("idempotency: the client went away")
 )
+
+// statusClientClosedRequest answers a request whose client went away before
+// its answer, as nginx logs one: no client reads it, but access logs and
+// metrics then tell it from a store outage.
+const statusClientClosedRequest = 499
 
 type guarded struct {
 	g          *Guard
@@ -304,7 +311,11 @@ func withBody(ctx context.Context, r *http.Request, body []byte) *http.Request {
 // from inside the handler's Write, and then streamed.
 func (h *guarded) serve(w http.ResponseWriter, r *http.Request, k Key, fp Fingerprint, body []byte) {
 	var rec *recorder // set once the handler runs: Do made this request the owner
-	res, err := h.g.Do(r.Context(), k, fp, func(ctx context.Context) (Response, error) {
+	t := callState{method: r.Method, route: r.Pattern}
+	if h.g.opts.Observer != nil {
+		t.start = time.Now()
+	}
+	res, err := h.g.do(r.Context(), k, fp, func(ctx context.Context) (Response, error) {
 		info, _ := FromContext(ctx)
 		rec = &recorder{w: w, header: make(http.Header), limit: h.o.MaxResponseBytes}
 		rec.settle = func(resp Response) error {
@@ -321,7 +332,8 @@ func (h *guarded) serve(w http.ResponseWriter, r *http.Request, k Key, fp Finger
 			info.defaultTo(h.o.Disposition(resp.Status))
 		}
 		return resp, err
-	})
+	}, &t)
+	defer func() { h.g.report(r.Context(), k.Scope, &t, res, err) }()
 	switch {
 	case rec == nil && err == nil:
 		sendHead(w, res.Response.Status, res.Response.Header, true)
@@ -334,7 +346,14 @@ func (h *guarded) serve(w http.ResponseWriter, r *http.Request, k Key, fp Finger
 		// doing.
 		if h.o.FailOpen && errors.Is(err, ErrUnavailable) && !errors.Is(err, ErrInFlight) && !errors.Is(err, errLateClaim) &&
 			r.Context().Err() == nil {
+			t.failedOpen = true
 			h.next.ServeHTTP(w, withBody(r.Context(), r, body))
+			return
+		}
+		if r.Context().Err() != nil {
+			// The client has gone: nobody reads the answer, and the error
+			// is its own doing, not the store's.
+			h.fail(w, errClientGone)
 			return
 		}
 		h.fail(w, err)
@@ -586,6 +605,9 @@ func (h *guarded) problemFor(err error) problem {
 	case errors.As(err, &tooLarge):
 		return p("problem-body-too-large", http.StatusRequestEntityTooLarge, "Request body too large",
 			fmt.Sprintf("The request body exceeds %d bytes.", tooLarge.limit))
+	case errors.Is(err, errClientGone):
+		return p("problem-client-gone", statusClientClosedRequest, "Client closed request",
+			"The client went away before the answer.")
 	case errors.Is(err, ErrMismatch):
 		return p("ErrMismatch", http.StatusUnprocessableEntity, "Idempotency-Key reused",
 			"This Idempotency-Key was used before with a different request.")

@@ -167,6 +167,10 @@ type Options struct {
 	// Default nil: a retry of an abandoned operation runs it again, with
 	// Info.Abandoned set.
 	Recover func(ctx context.Context) (Response, error)
+	// Observer, when set, is told of every call's outcome and of the events
+	// between outcomes (see Observer). Default nil: nothing is reported,
+	// and nothing is measured for it.
+	Observer Observer
 }
 
 func (o Options) withDefaults() Options {
@@ -249,32 +253,56 @@ type Result struct {
 // the outcome fails, Do returns ErrFenced or ErrUnavailable and no Response:
 // the caller must not report success it could not record.
 func (g *Guard) Do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error)) (Result, error) {
+	var t callState
+	if g.opts.Observer != nil {
+		t.start = time.Now()
+	}
+	res, err := g.do(ctx, k, fp, fn, &t)
+	g.report(ctx, k.Scope, &t, res, err)
+	return res, err
+}
+
+// do is Do, telling t what its Observer will want to know.
+func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error), t *callState) (Result, error) {
 	if err := k.Validate(); err != nil {
 		return Result{}, err
 	}
-	c, sent, err := g.claim(ctx, k, fp)
+	c, sent, err := g.claim(ctx, k, fp, t)
 	if err != nil {
 		return Result{}, err
 	}
 	if c.State == Completed {
 		return Result{Response: c.Response, Replayed: true, OperationID: c.OperationID}, nil
 	}
+	if c.Attempt > 1 {
+		g.observe(ctx, Event{Kind: EventTakeover, Scope: k.Scope, Attempt: c.Attempt, Abandoned: c.Abandoned})
+	}
 	o, err := g.own(ctx, k, c, sent)
 	if err != nil {
+		t.op = OpClaim
 		return Result{}, err
 	}
-	return o.run(fn)
+	res, err := o.run(fn)
+	t.owned, t.attempt, t.disposition, t.recovered, t.unknown = true, o.t.attempt, o.t.disposition, o.t.recovered, o.t.unknown
+	if o.t.op != "" {
+		t.op = o.t.op
+	}
+	return res, err
 }
 
 // claim claims k, waiting while another owner holds it, until the caller owns
 // the record or there is a final answer. sent is when the claim that gave
 // that answer was handed to the store: an owner's lease is counted from it.
-func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (c Claim, sent time.Time, err error) {
+func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) (c Claim, sent time.Time, err error) {
 	req := ClaimRequest{Key: k, Fingerprint: fp, OperationID: newOperationID(), Lease: g.opts.Lease, Retention: g.opts.Retention}
 	sent = time.Now()
 	c, err = g.store.Claim(ctx, req)
-	if err != nil || c.State != InFlight {
-		return c, sent, claimErr(c, err)
+	if err != nil {
+		t.op = OpClaim
+		return c, sent, err
+	}
+	if c.State != InFlight {
+		return c, sent, claimErr(c, nil)
 	}
 	if g.opts.WaitTimeout < 0 {
 		return c, sent, ErrInFlight
@@ -285,6 +313,8 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (c Claim, sent
 	default:
 		return c, sent, fmt.Errorf("%w: %d requests already waiting", ErrInFlight, cap(g.waiters))
 	}
+	waitStart := time.Now()
+	defer func() { t.waited = time.Since(waitStart) }()
 	wctx, cancel := context.WithTimeout(ctx, g.opts.WaitTimeout)
 	defer cancel()
 	// Subscribe before re-reading: a completion that lands between the two
@@ -294,6 +324,7 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (c Claim, sent
 		if wctx.Err() != nil && ctx.Err() == nil {
 			return c, sent, ErrInFlight
 		}
+		t.op = OpSubscribe
 		return c, sent, errors.Join(ErrInFlight, err)
 	}
 	defer wake.Close()
@@ -308,6 +339,7 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint) (c Claim, sent
 		if err != nil {
 			// The original is known to be running: whatever else failed,
 			// this request must not be run beside it (say, by failing open).
+			t.op = OpClaim
 			return c, sent, errors.Join(ErrInFlight, err)
 		}
 		if c.State != InFlight {

@@ -46,6 +46,10 @@ type owner struct {
 	ended    bool          // the settling call was made, or the lease was lost
 	lost     error         // why the lease ended before the owner settled; matches ErrFenced
 	failed   error         // the last renewal's failure, named when the lease then runs out
+
+	// t is what the call learns as the owner, for its Observer. Written on
+	// the goroutine that runs the operation only.
+	t callState
 }
 
 // abandon is a Disposition for the Guard's own use: the owner gives its lease
@@ -63,7 +67,8 @@ var errLateClaim = errors.New("claim confirmed too late to act on")
 func (g *Guard) own(ctx context.Context, k Key, c Claim, sent time.Time) (*owner, error) {
 	lease := g.opts.Lease
 	now := time.Now()
-	o := &owner{g: g, k: k, c: c, deadline: sent.Add(lease - leaseMargin(lease)), next: sent.Add(lease / 3), rtt: now.Sub(sent)}
+	o := &owner{g: g, k: k, c: c, deadline: sent.Add(lease - leaseMargin(lease)), next: sent.Add(lease / 3), rtt: now.Sub(sent),
+		t: callState{owned: true, attempt: c.Attempt}}
 	if !now.Before(o.deadline) {
 		// Not waited for: it only spares the next claim the wait for the
 		// lease, and the token keeps it harmless whenever it lands.
@@ -143,12 +148,14 @@ func (o *owner) run(fn func(ctx context.Context) (Response, error)) (Result, err
 func (o *owner) recover() (Response, Disposition, error) {
 	resp, d, err := o.call(o.g.opts.Recover, abandon, false)
 	if err != nil {
+		o.t.unknown = true
 		return Response{}, 0, errors.Join(ErrInFlight, err, o.settle(Response{}, abandon))
 	}
 	if d == Keep || d == Settled {
 		if err := o.settle(resp, d); err != nil {
 			return Response{}, 0, err
 		}
+		o.t.recovered = true
 	}
 	return resp, d, nil
 }
@@ -198,6 +205,7 @@ func (o *owner) settle(resp Response, d Disposition) error {
 	o.awaitRenewal(d == abandon)
 	deadline, lost := o.end()
 	if d == Settled {
+		o.t.disposition = d
 		return nil
 	}
 	if lost != nil {
@@ -215,13 +223,30 @@ func (o *owner) settle(resp Response, d Disposition) error {
 	}
 	switch {
 	case err != nil:
+		o.t.op = settleOp(d)
 		o.cancel(err)
-	case d != Keep:
+		return err
+	}
+	o.t.disposition = d
+	if d != Keep {
 		// The record is free for another owner while an operation that
 		// settled early may still run: its context ends now.
 		o.cancel(fmt.Errorf("%w: the record was given up (%v)", ErrFenced, d))
 	}
-	return err
+	return nil
+}
+
+// settleOp names the store call that applies d, for an Observer.
+func settleOp(d Disposition) string {
+	switch d {
+	case Release:
+		return OpRelease
+	case Forget:
+		return OpForget
+	case abandon:
+		return OpAbandon
+	}
+	return OpComplete
 }
 
 // awaitRenewal sends no more renewals and waits for the one in flight, if
@@ -330,6 +355,13 @@ func (o *owner) renew(sent, deadline time.Time) {
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(o.ctx), deadline)
 	defer cancel()
 	err := o.g.store.Heartbeat(ctx, o.k, o.c.Token, lease)
+	if o.g.opts.Observer != nil {
+		e := Event{Kind: EventRenewal, Scope: o.k.Scope, Attempt: o.c.Attempt, Duration: time.Since(sent), Err: err}
+		if err != nil {
+			e.Op = OpRenew
+		}
+		o.g.opts.Observer.Observe(o.ctx, e)
+	}
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	close(o.renewing)

@@ -23,8 +23,10 @@ func (g *Guard) Sweep(ctx context.Context, limit int) (int, error) {
 	if limit <= 0 {
 		limit = 100
 	}
+	start := time.Now()
 	list, err := g.store.Abandoned(ctx, limit)
 	if err != nil {
+		g.observe(ctx, Event{Kind: EventSweep, Duration: time.Since(start), Op: OpAbandoned, Err: err})
 		return 0, err
 	}
 	settled := 0
@@ -48,7 +50,10 @@ func (g *Guard) Sweep(ctx context.Context, limit int) (int, error) {
 			settled++
 		}
 	}
-	return settled, errors.Join(errs...)
+	err = errors.Join(errs...)
+	g.observe(ctx, Event{Kind: EventSweep, Duration: time.Since(start), Found: len(list), Settled: settled,
+		Left: len(list) - settled, Err: err})
+	return settled, err
 }
 
 // sweepOne settles, through Options.Recover, one listed record that the
