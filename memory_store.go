@@ -160,6 +160,25 @@ func (s *MemoryStore) Subscribe(_ context.Context, k Key) (Subscription, error) 
 	return s.subs.Add(k), nil
 }
 
+// Stats counts the records in flight, scanning every record as Abandoned
+// does.
+func (s *MemoryStore) Stats(context.Context) (Stats, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.opts.Now()
+	var st Stats
+	for _, r := range s.records {
+		switch {
+		case r.state != memInFlight || !r.expires.After(now):
+		case r.leaseUntil.After(now):
+			st.InFlight++
+		default:
+			st.Abandoned++
+		}
+	}
+	return st, nil
+}
+
 // Abandoned implements Store. It scans every record: the memory store is
 // bounded by MaxRecords, and a scan of it is cheap next to a network store's
 // round trip.

@@ -1,6 +1,7 @@
 package idempotency_test
 
 import (
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/idempotencytest"
 	"github.com/idempotency-go/idempotency/internal/migrationtest"
+	"github.com/idempotency-go/idempotency/internal/statstest"
 	"github.com/idempotency-go/idempotency/internal/testserver"
 )
 
@@ -89,5 +91,20 @@ func TestMigratingStoreConformance(t *testing.T) {
 	m := idempotency.NewMigratingStore(from, to, idempotency.MigrationOptions{DualWrite: true})
 	idempotencytest.Run(t, func(t *testing.T) idempotencytest.Harness {
 		return idempotencytest.Harness{Store: m}
+	})
+}
+
+// TestStats checks the memory and Redis stores' Stats.
+func TestStats(t *testing.T) {
+	t.Run("memory", func(t *testing.T) { statstest.Check(t, idempotency.NewMemoryStore(idempotency.MemoryOptions{})) })
+	t.Run("miniredis", func(t *testing.T) {
+		statstest.Check(t, redisStore(t, redis.NewClient(&redis.Options{Addr: miniredis.RunT(t).Addr()})))
+	})
+	t.Run("redis-server", func(t *testing.T) {
+		c := testserver.StartRedis(t).Client()
+		s, err := idempotency.NewRedisStore(c, idempotency.RedisOptions{Prefix: fmt.Sprintf("stats%d:", time.Now().UnixNano())})
+		require.NoError(t, err)
+		t.Cleanup(func() { s.Close() })
+		statstest.Check(t, s)
 	})
 }

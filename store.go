@@ -109,6 +109,19 @@ type Claim struct {
 	LeaseLeft   time.Duration // InFlight: time until the owner's lease runs out; a waiter re-claims then
 }
 
+// Stats counts a store's records in flight, for dashboards and alerts: a
+// count of Abandoned that grows and stays up means abandoned operations
+// that no retry and no sweep settles. The stores in this module and the
+// postgres package have a Stats method; it costs about as much as one call
+// of Abandoned, so read it on a scrape interval, not per request.
+type Stats struct {
+	// InFlight counts the records in flight whose owner's lease is live.
+	InFlight int64
+	// Abandoned counts the records in flight whose lease ran out and that
+	// no claim took over yet: they wait for a retry or a sweep.
+	Abandoned int64
+}
+
 // dueRecord is an abandoned record with the time its lease ran out, in a
 // unit of the store's choosing.
 type dueRecord struct {

@@ -74,7 +74,7 @@ type Store struct {
 	pool *pgxpool.Pool
 	opts Options
 	// The table's statements, with its quoted name filled in.
-	claimSQL, completeSQL, completeTxSQL, releaseSQL, forgetSQL, heartbeatSQL, abandonedSQL, deleteSQL string
+	claimSQL, completeSQL, completeTxSQL, releaseSQL, forgetSQL, heartbeatSQL, abandonedSQL, statsSQL, deleteSQL string
 
 	mu   sync.Mutex
 	subs wakeup.Registry[string] // by wakeID
@@ -124,6 +124,9 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 		abandonedSQL: `SELECT scope, key, fingerprint FROM ` + t + `
 			WHERE state = 'in_progress' AND lease_until <= now() AND expires_at > now()
 			ORDER BY lease_until LIMIT $1`,
+		// On the same partial index: its cost follows the records in flight.
+		statsSQL: `SELECT count(*) FILTER (WHERE lease_until > now()), count(*) FILTER (WHERE lease_until <= now())
+			FROM ` + t + ` WHERE state = 'in_progress' AND expires_at > now()`,
 		// The rows are locked before they are deleted, and rows that a claim
 		// holds are skipped: a claim making a new record in place of an
 		// expired one is never undone, nor waited for.
@@ -317,6 +320,16 @@ func (s *Store) Abandoned(ctx context.Context, limit int) ([]idempotency.Abandon
 		return nil, storeerr.Unavailable("postgres abandoned", err)
 	}
 	return out, nil
+}
+
+// Stats counts the records in flight, in one statement on the partial index
+// of the records in flight, by the database's clock.
+func (s *Store) Stats(ctx context.Context) (idempotency.Stats, error) {
+	var st idempotency.Stats
+	if err := s.pool.QueryRow(ctx, s.statsSQL).Scan(&st.InFlight, &st.Abandoned); err != nil {
+		return idempotency.Stats{}, storeerr.Unavailable("postgres stats", err)
+	}
+	return st, nil
 }
 
 // DeleteExpired deletes the records whose retention has run out and returns

@@ -14,6 +14,7 @@ import (
 	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/idempotencytest"
 	"github.com/idempotency-go/idempotency/internal/migrationtest"
+	"github.com/idempotency-go/idempotency/internal/statstest"
 	"github.com/idempotency-go/idempotency/internal/testserver"
 	"github.com/idempotency-go/idempotency/postgres"
 	"github.com/jackc/pgx/v5"
@@ -64,6 +65,10 @@ func TestStore(t *testing.T) {
 		{"TakeoverWaitsOutRelease", testTakeoverWaitsOutRelease},
 		{"AbandonedCorruptFingerprint", testAbandonedCorruptFingerprint},
 		{"ErrorsAreUnavailable", testErrorsAreUnavailable},
+		{"Stats", func(t *testing.T, f *fixture) {
+			s, _ := f.store(t)
+			statstest.Check(t, s)
+		}},
 		{"MigrationToRedis", func(t *testing.T, f *fixture) {
 			// The zero-gap swap from a PostgreSQL table to Redis.
 			old, _ := f.store(t)
