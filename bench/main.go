@@ -19,6 +19,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"math"
 	"net"
 	"net/http"
@@ -104,6 +105,7 @@ type env struct {
 	monitorAddr    string // a standalone redis-server, where MONITOR works; "" otherwise
 
 	redisGuard, memGuard *idempotency.Guard
+	slogGuard            *idempotency.Guard // redisGuard's store, logging every event
 	pgGuard              *idempotency.Guard // nil without PostgreSQL
 	pgSkip, pgVersion    string
 
@@ -140,6 +142,10 @@ func setup(ctx context.Context, cfg config, log io.Writer) (e *env, err error) {
 	}
 	e.closers = append(e.closers, rs.Close)
 	e.redisGuard = idempotency.New(rs, idempotency.Options{})
+	// Debug: every event is formatted and written, the most an observer
+	// costs; at the default Info level replays and executions are skipped.
+	debugLog := slog.New(slog.NewJSONHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	e.slogGuard = idempotency.New(rs, idempotency.Options{Observer: idempotency.SlogObserver(debugLog)})
 	// Every new operation of the run must fit: a full memory store refuses.
 	e.memGuard = idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{MaxRecords: 1 << 24}), idempotency.Options{})
 
