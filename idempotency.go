@@ -30,6 +30,7 @@ import (
 	"fmt"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idempotency-go/idempotency/internal/storeerr"
@@ -198,6 +199,15 @@ type Guard struct {
 	store   Store
 	opts    Options
 	waiters chan struct{} // a semaphore of Options.MaxWaiters slots
+	owners  atomic.Int64  // owners between own and close: operations running here
+}
+
+// InFlight returns how many operations this Guard is running as the owner
+// (their functions, Recover hooks and sweeps included) and how many calls
+// are waiting for an original in flight: gauges of this process's load,
+// read without a store call.
+func (g *Guard) InFlight() (operations, waiting int) {
+	return int(g.owners.Load()), len(g.waiters)
 }
 
 // New returns a Guard that keeps its records in store.

@@ -26,7 +26,7 @@ func TestNewOperationID(t *testing.T) {
 
 // Options.MaxWaiters bounds the duplicates that wait at once: past it a
 // duplicate fails with ErrInFlight at once, and those waiting still get the
-// original's answer.
+// original's answer. Guard.InFlight counts the owner and the waiter.
 func TestMaxWaiters(t *testing.T) {
 	ctx := context.Background()
 	g := New(NewMemoryStore(MemoryOptions{}), Options{MaxWaiters: 1, WaitTimeout: 10 * time.Second})
@@ -53,6 +53,8 @@ func TestMaxWaiters(t *testing.T) {
 		waiter <- r
 	}()
 	require.Eventually(t, func() bool { return len(g.waiters) == 1 }, 5*time.Second, time.Millisecond, "the first duplicate never waited")
+	ops, waiting := g.InFlight()
+	assert.Equal(t, [2]int{1, 1}, [2]int{ops, waiting}, "InFlight while the original runs and one waits")
 
 	_, err := g.Do(ctx, k, fp, never)
 	require.ErrorIs(t, err, ErrInFlight, "a duplicate past MaxWaiters")
@@ -63,4 +65,6 @@ func TestMaxWaiters(t *testing.T) {
 	r := <-waiter
 	assert.True(t, r.Replayed)
 	assert.Equal(t, 201, r.Response.Status)
+	ops, waiting = g.InFlight()
+	assert.Equal(t, [2]int{0, 0}, [2]int{ops, waiting}, "InFlight once every call returned")
 }

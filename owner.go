@@ -80,6 +80,7 @@ func (g *Guard) own(ctx context.Context, k Key, c Claim, sent time.Time) (*owner
 		return nil, fmt.Errorf("%w: %w, %v after it was sent", ErrUnavailable, errLateClaim, now.Sub(sent).Round(time.Millisecond))
 	}
 	o.ctx, o.cancel = context.WithCancelCause(ctx)
+	g.owners.Add(1)
 	o.mu.Lock()
 	o.timer = time.AfterFunc(o.next.Sub(now), o.tick)
 	o.mu.Unlock()
@@ -103,6 +104,7 @@ func untouched(c Claim) Disposition {
 // close ends the owner, whatever became of the record: no renewal is sent
 // any more and the operation's context is done.
 func (o *owner) close() {
+	o.g.owners.Add(-1)
 	o.end()
 	o.cancel(nil)
 }
