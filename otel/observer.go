@@ -1,0 +1,348 @@
+// Package idempotencyotel turns the events of an idempotency.Guard into
+// OpenTelemetry metrics, spans and span events. Set an Observer from
+// NewObserver as idempotency.Options.Observer:
+//
+//	obs, err := idempotencyotel.NewObserver(idempotencyotel.Options{})
+//	if err != nil { ... }
+//	guard := idempotency.New(store, idempotency.Options{Observer: obs})
+//
+// # What is reported
+//
+// Each call of Guard.Do or of the middleware counts once in
+// idempotency.outcomes and idempotency.call.duration, and, if it waited for
+// an original in flight, in idempotency.wait.duration. Renewals, takeovers
+// and sweeps have counters of their own. README.md lists every metric with
+// its unit and attributes.
+//
+// Each call is also one span, idempotency.call, of kind Internal, a child of
+// the span in the call's context (the request's span under otelhttp), or a
+// root span when there is none. The Guard reports a call only when it has
+// ended, so the span is made after the fact with the call's own start and
+// end times. Renewals, takeovers and sweeps are not spans: they are events
+// on the span in their context, when that span is recording.
+//
+// # What is not reported, and why
+//
+//   - No metric carries the key's scope: scopes are tenants, and tenants
+//     are unbounded, so each would make a time series of its own. Spans
+//     leave it out too: an application that wants the tenant on its traces
+//     puts it on its own request span.
+//   - Nothing carries the key, the fencing token or a body. The key and
+//     the bodies are the client's data; the token is not secret, but it is
+//     different for every call, which no attribute should be.
+//   - An error's text is never an attribute value: error.type takes the
+//     outcome's name, or fenced / unavailable for a failed renewal or
+//     sweep, or _OTHER. Only the calls whose span is marked an error (see
+//     Observer.Observe) record the error itself, as an exception event.
+//   - There is one span per call, with how long it waited as an attribute,
+//     not one per phase (claim, wait, run, settle): the Guard reports
+//     phases to no one, so per-phase spans need hooks in the core first.
+//   - There is no gauge of the operations in flight or of the waiters in
+//     this process: the Guard reports no starts, and this adapter counts
+//     only what the events measure. Such gauges are left for a change that
+//     gives the core start events or counters to read.
+package idempotencyotel
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/metric/noop"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idempotency-go/idempotency"
+)
+
+// ScopeName is the instrumentation scope of every meter and tracer the
+// Observer gets, the core module's import path: a View or a sampler can
+// select the library's metrics and spans by it.
+const ScopeName = "github.com/idempotency-go/idempotency"
+
+// Attribute keys of this library. error.type, http.request.method and
+// http.route are the semantic conventions' own.
+const (
+	keyOutcome        = attribute.Key("idempotency.outcome")
+	keyStoreOperation = attribute.Key("idempotency.store.operation")
+	keyAttempt        = attribute.Key("idempotency.attempt")
+	keyWaitDuration   = attribute.Key("idempotency.wait.duration")
+	keyRenewalResult  = attribute.Key("idempotency.renewal.result")
+	keyRenewalDur     = attribute.Key("idempotency.renewal.duration")
+	keyTakeoverPrev   = attribute.Key("idempotency.takeover.previous")
+	keySweepResult    = attribute.Key("idempotency.sweep.result")
+	keySweepFound     = attribute.Key("idempotency.sweep.found")
+	keySweepSettled   = attribute.Key("idempotency.sweep.settled")
+	keySweepLeft      = attribute.Key("idempotency.sweep.left")
+	keySweepDuration  = attribute.Key("idempotency.sweep.duration")
+)
+
+// Names of the span and of the span events.
+const (
+	spanCall      = "idempotency.call"
+	eventRenewal  = "idempotency.renewal"
+	eventTakeover = "idempotency.takeover"
+	eventSweep    = "idempotency.sweep"
+)
+
+// durationBuckets are the histograms' advised bucket boundaries, in
+// seconds: from a replay out of a nearby store (under a millisecond) to a
+// call that waited out the default WaitTimeout and lease (10s) and more. A
+// View overrides them.
+var durationBuckets = []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}
+
+// Options configures NewObserver. The zero value uses the global providers.
+type Options struct {
+	// MeterProvider provides the meter of every metric. Default
+	// otel.GetMeterProvider(), as it is when NewObserver is called (the
+	// global provider forwards to one set later).
+	MeterProvider metric.MeterProvider
+	// TracerProvider provides the tracer of the spans. Default
+	// otel.GetTracerProvider(), as it is when NewObserver is called.
+	TracerProvider trace.TracerProvider
+}
+
+// Observer is an idempotency.Observer that records every event as the
+// metrics, spans and span events listed in README.md. It is safe for
+// concurrent use, and one Observer may serve several Guards.
+type Observer struct {
+	tracer trace.Tracer
+
+	outcomes, renewals, takeovers, sweepRecords, sweeps metric.Int64Counter
+	callDuration, waitDuration, renewalDuration         metric.Float64Histogram
+}
+
+var _ idempotency.Observer = (*Observer)(nil)
+
+// NewObserver returns an Observer whose instruments and tracer come from
+// opts' providers, under the scope ScopeName. It fails only if the meter
+// refuses to make an instrument; the Observer it then returns is usable all
+// the same, and records what the meter's instruments can.
+func NewObserver(opts Options) (*Observer, error) {
+	mp, tp := opts.MeterProvider, opts.TracerProvider
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	meter := mp.Meter(ScopeName, metric.WithSchemaURL(semconv.SchemaURL))
+	o := &Observer{tracer: tp.Tracer(ScopeName, trace.WithSchemaURL(semconv.SchemaURL))}
+	var errs []error
+	counter := func(name, unit, desc string) metric.Int64Counter {
+		c, err := meter.Int64Counter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+		errs = append(errs, err)
+		if c == nil {
+			return noop.Int64Counter{}
+		}
+		return c
+	}
+	histogram := func(name, desc string) metric.Float64Histogram {
+		h, err := meter.Float64Histogram(name, metric.WithUnit("s"), metric.WithDescription(desc),
+			metric.WithExplicitBucketBoundaries(durationBuckets...))
+		errs = append(errs, err)
+		if h == nil {
+			return noop.Float64Histogram{}
+		}
+		return h
+	}
+	o.outcomes = counter("idempotency.outcomes", "{call}", "Calls of a Guard that ended, by outcome.")
+	o.callDuration = histogram("idempotency.call.duration", "Duration of the calls of a Guard, waits included.")
+	o.waitDuration = histogram("idempotency.wait.duration", "Time the calls that waited spent waiting for an original in flight.")
+	o.renewals = counter("idempotency.renewals", "{renewal}", "Renewals of an owner's lease that returned, confirmed or failed.")
+	o.renewalDuration = histogram("idempotency.renewal.duration", "Round trip of the renewals of an owner's lease.")
+	o.takeovers = counter("idempotency.takeovers", "{takeover}", "Claims that took a record over from an earlier attempt.")
+	o.sweepRecords = counter("idempotency.sweep.records", "{record}",
+		"Abandoned records that sweeps found, settled through Recover, and left for later.")
+	o.sweeps = counter("idempotency.sweeps", "{sweep}", "Sweeps of abandoned records that ended.")
+	return o, errors.Join(errs...)
+}
+
+// Observe records e. An EventOutcome becomes one idempotency.call span
+// (see the package's doc), started Duration before now, and a count in
+// idempotency.outcomes and idempotency.call.duration (and
+// idempotency.wait.duration if the call waited); the span is marked an
+// error, described by the outcome's name, and records e.Err, for the
+// outcomes that are the service's failures: fenced, unavailable,
+// recovery_unknown and failed_open; the others (a client's mismatch, a
+// retry still in flight, an application's error that released the record)
+// leave its status unset. A renewal, takeover or sweep is counted, and
+// added as an event to the span in ctx when it is recording. Every
+// measurement is made with the call's context (for an outcome, that of its
+// new span), so a metric SDK that samples exemplars links them to the
+// trace. Events of another kind are ignored.
+func (o *Observer) Observe(ctx context.Context, e idempotency.Event) {
+	switch e.Kind {
+	case idempotency.EventOutcome:
+		o.outcome(ctx, e)
+	case idempotency.EventRenewal:
+		o.renewal(ctx, e)
+	case idempotency.EventTakeover:
+		o.takeover(ctx, e)
+	case idempotency.EventSweep:
+		o.sweep(ctx, e)
+	}
+}
+
+func (o *Observer) outcome(ctx context.Context, e idempotency.Event) {
+	end := time.Now()
+	outcome := keyOutcome.String(e.Outcome.String())
+	attrs := make([]attribute.KeyValue, 0, 7)
+	attrs = append(attrs, outcome)
+	if e.Method != "" {
+		attrs = append(attrs, semconv.HTTPRequestMethodKey.String(httpMethod(e.Method)))
+	}
+	if route := httpRoute(e.Route); route != "" {
+		attrs = append(attrs, semconv.HTTPRouteKey.String(route))
+	}
+	if e.Op != "" {
+		attrs = append(attrs, keyStoreOperation.String(e.Op))
+	}
+	if e.Err != nil {
+		attrs = append(attrs, semconv.ErrorTypeKey.String(outcomeErrorType(e.Outcome)))
+	}
+	// The set is made from a copy: NewSet sorts what it is given.
+	set := attribute.NewSet(append([]attribute.KeyValue(nil), attrs...)...)
+
+	if e.Attempt > 0 {
+		attrs = append(attrs, keyAttempt.Int(e.Attempt))
+	}
+	if e.Waited > 0 {
+		attrs = append(attrs, keyWaitDuration.Float64(e.Waited.Seconds()))
+	}
+	ctx, span := o.tracer.Start(ctx, spanCall, trace.WithSpanKind(trace.SpanKindInternal),
+		trace.WithTimestamp(end.Add(-e.Duration)), trace.WithAttributes(attrs...))
+	if serviceFailure(e.Outcome) {
+		if e.Err != nil {
+			span.RecordError(e.Err, trace.WithTimestamp(end))
+		}
+		span.SetStatus(codes.Error, e.Outcome.String())
+	}
+	span.End(trace.WithTimestamp(end))
+
+	o.outcomes.Add(ctx, 1, metric.WithAttributeSet(set))
+	o.callDuration.Record(ctx, e.Duration.Seconds(), metric.WithAttributeSet(set))
+	if e.Waited > 0 {
+		o.waitDuration.Record(ctx, e.Waited.Seconds(), metric.WithAttributes(outcome))
+	}
+}
+
+func (o *Observer) renewal(ctx context.Context, e idempotency.Event) {
+	attrs := make([]attribute.KeyValue, 0, 4)
+	if e.Err == nil {
+		attrs = append(attrs, keyRenewalResult.String("confirmed"))
+	} else {
+		attrs = append(attrs, keyRenewalResult.String("failed"), semconv.ErrorTypeKey.String(storeErrorType(e.Err)))
+	}
+	set := attribute.NewSet(append([]attribute.KeyValue(nil), attrs...)...)
+	o.renewals.Add(ctx, 1, metric.WithAttributeSet(set))
+	o.renewalDuration.Record(ctx, e.Duration.Seconds(), metric.WithAttributeSet(set))
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		attrs = append(attrs, keyRenewalDur.Float64(e.Duration.Seconds()))
+		if e.Attempt > 0 {
+			attrs = append(attrs, keyAttempt.Int(e.Attempt))
+		}
+		span.AddEvent(eventRenewal, trace.WithAttributes(attrs...))
+	}
+}
+
+func (o *Observer) takeover(ctx context.Context, e idempotency.Event) {
+	previous := keyTakeoverPrev.String("released")
+	if e.Abandoned {
+		previous = keyTakeoverPrev.String("abandoned")
+	}
+	o.takeovers.Add(ctx, 1, metric.WithAttributes(previous))
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		attrs := []attribute.KeyValue{previous}
+		if e.Attempt > 0 {
+			attrs = append(attrs, keyAttempt.Int(e.Attempt))
+		}
+		span.AddEvent(eventTakeover, trace.WithAttributes(attrs...))
+	}
+}
+
+func (o *Observer) sweep(ctx context.Context, e idempotency.Event) {
+	for _, r := range [...]struct {
+		result string
+		n      int
+	}{{"found", e.Found}, {"settled", e.Settled}, {"left", e.Left}} {
+		o.sweepRecords.Add(ctx, int64(r.n), metric.WithAttributes(keySweepResult.String(r.result)))
+	}
+	var errType []attribute.KeyValue
+	if e.Err != nil {
+		errType = append(errType, semconv.ErrorTypeKey.String(storeErrorType(e.Err)))
+	}
+	o.sweeps.Add(ctx, 1, metric.WithAttributes(errType...))
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		attrs := append(errType, keySweepFound.Int(e.Found), keySweepSettled.Int(e.Settled),
+			keySweepLeft.Int(e.Left), keySweepDuration.Float64(e.Duration.Seconds()))
+		if e.Op != "" {
+			attrs = append(attrs, keyStoreOperation.String(e.Op))
+		}
+		span.AddEvent(eventSweep, trace.WithAttributes(attrs...))
+	}
+}
+
+// serviceFailure reports whether a call that ended so failed through the
+// service's fault (its store, its lease, its recovery), rather than the
+// client's or the application's.
+func serviceFailure(o idempotency.Outcome) bool {
+	switch o {
+	case idempotency.OutcomeFenced, idempotency.OutcomeUnavailable, idempotency.OutcomeRecoveryUnknown,
+		idempotency.OutcomeFailedOpen:
+		return true
+	}
+	return false
+}
+
+// outcomeErrorType is error.type for a call that ended with an error: the
+// outcome's name when the outcome is the library's error, and _OTHER for
+// the application's own error (its operation failed, and the record was
+// released or forgotten).
+func outcomeErrorType(o idempotency.Outcome) string {
+	switch o {
+	case idempotency.OutcomeInFlight, idempotency.OutcomeMismatch, idempotency.OutcomeInvalidKey,
+		idempotency.OutcomeFenced, idempotency.OutcomeRecoveryUnknown, idempotency.OutcomeUnavailable,
+		idempotency.OutcomeFailedOpen, idempotency.OutcomeClientGone:
+		return o.String()
+	}
+	return semconv.ErrorTypeOther.Value.AsString()
+}
+
+// storeErrorType is error.type for a failed renewal or sweep: fenced (the
+// lease is lost), unavailable (the store failed), or _OTHER.
+func storeErrorType(err error) string {
+	switch {
+	case errors.Is(err, idempotency.ErrFenced):
+		return idempotency.OutcomeFenced.String()
+	case errors.Is(err, idempotency.ErrUnavailable):
+		return idempotency.OutcomeUnavailable.String()
+	}
+	return semconv.ErrorTypeOther.Value.AsString()
+}
+
+// httpMethod is http.request.method as the conventions have it: a method
+// they know, or _OTHER.
+func httpMethod(m string) string {
+	switch m {
+	case "CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE", "QUERY":
+		return m
+	}
+	return semconv.HTTPRequestMethodOther.Value.AsString()
+}
+
+// httpRoute is http.route from a ServeMux pattern, as otelhttp makes it:
+// the path template from its first slash, without the pattern's method and
+// host ("POST /v1/charges" gives "/v1/charges"). A pattern with no path
+// gives "".
+func httpRoute(pattern string) string {
+	if i := strings.IndexByte(pattern, '/'); i >= 0 {
+		return pattern[i:]
+	}
+	return ""
+}
