@@ -11,8 +11,11 @@
 // Each call of Guard.Do or of the middleware counts once in
 // idempotency.outcomes and idempotency.call.duration, and, if it waited for
 // an original in flight, in idempotency.wait.duration. Renewals, takeovers
-// and sweeps have counters of their own. README.md lists every metric with
-// its unit and attributes.
+// and sweeps have counters of their own. The operations a Guard runs in
+// this process and its calls waiting are read from Guard.InFlight when the
+// metrics are collected, for the Guards given to Observer.Track (events
+// report ends, never starts, so they cannot give these). README.md lists
+// every metric with its unit and attributes.
 //
 // Each call is also one span, idempotency.call, of kind Internal, a child of
 // the span in the call's context (the request's span under otelhttp), or a
@@ -37,16 +40,13 @@
 //   - There is one span per call, with how long it waited as an attribute,
 //     not one per phase (claim, wait, run, settle): the Guard reports
 //     phases to no one, so per-phase spans need hooks in the core first.
-//   - There is no gauge of the operations in flight or of the waiters in
-//     this process: the Guard reports no starts, and this adapter counts
-//     only what the events measure. Such gauges are left for a change that
-//     gives the core start events or counters to read.
 package idempotencyotel
 
 import (
 	"context"
 	"errors"
 	"strings"
+	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel"
@@ -115,6 +115,10 @@ type Observer struct {
 
 	outcomes, renewals, takeovers, sweepRecords, sweeps metric.Int64Counter
 	callDuration, waitDuration, renewalDuration         metric.Float64Histogram
+	operations, waiters                                 metric.Int64ObservableUpDownCounter
+
+	mu     sync.Mutex
+	guards map[*idempotency.Guard]int // the Guards tracked, with how many Track calls each
 }
 
 var _ idempotency.Observer = (*Observer)(nil)
@@ -160,7 +164,66 @@ func NewObserver(opts Options) (*Observer, error) {
 	o.sweepRecords = counter("idempotency.sweep.records", "{record}",
 		"Abandoned records that sweeps found, settled through Recover, and left for later.")
 	o.sweeps = counter("idempotency.sweeps", "{sweep}", "Sweeps of abandoned records that ended.")
+	upDown := func(name, unit, desc string) metric.Int64ObservableUpDownCounter {
+		c, err := meter.Int64ObservableUpDownCounter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+		errs = append(errs, err)
+		if c == nil {
+			return noop.Int64ObservableUpDownCounter{}
+		}
+		return c
+	}
+	o.operations = upDown("idempotency.operation.count", "{operation}",
+		"Operations that the tracked Guards run as the owner in this process now, Recover hooks and sweeps included.")
+	o.waiters = upDown("idempotency.waiter.count", "{call}",
+		"Calls of the tracked Guards waiting for an original in flight now.")
+	_, err := meter.RegisterCallback(o.observeInFlight, o.operations, o.waiters)
+	errs = append(errs, err)
 	return o, errors.Join(errs...)
+}
+
+// Track adds g's operations in flight and calls waiting, as Guard.InFlight
+// counts them, to idempotency.operation.count and idempotency.waiter.count,
+// which are read when the metrics are collected, until untrack is called
+// (again: nothing more). With no Guard tracked, neither is reported. A Guard
+// tracked twice is counted once, until both are untracked. Give Track the
+// Guard that this Observer observes: the Guard must exist first, so it
+// cannot be an Option.
+func (o *Observer) Track(g *idempotency.Guard) (untrack func()) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.guards == nil {
+		o.guards = map[*idempotency.Guard]int{}
+	}
+	o.guards[g]++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			o.mu.Lock()
+			defer o.mu.Unlock()
+			if o.guards[g]--; o.guards[g] == 0 {
+				delete(o.guards, g)
+			}
+		})
+	}
+}
+
+// observeInFlight reports the tracked Guards' sums, one observation of
+// each instrument as the API asks, however many Guards there are.
+func (o *Observer) observeInFlight(_ context.Context, obs metric.Observer) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if len(o.guards) == 0 {
+		return nil
+	}
+	var operations, waiting int
+	for g := range o.guards {
+		ops, w := g.InFlight()
+		operations += ops
+		waiting += w
+	}
+	obs.ObserveInt64(o.operations, int64(operations))
+	obs.ObserveInt64(o.waiters, int64(waiting))
+	return nil
 }
 
 // Observe records e. An EventOutcome becomes one idempotency.call span

@@ -681,3 +681,62 @@ func keys(m map[string]metricdata.Metrics) []string {
 	}
 	return out
 }
+
+// TestObserverTracksInFlight reads a tracked Guard's operations and waiters
+// while an owner is held back and a duplicate waits, and after.
+func TestObserverTracksInFlight(t *testing.T) {
+	p := newPipeline(t)
+	guard := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{Observer: p})
+	untrack := p.obs.Track(guard)
+	untrackAgain := p.obs.Track(guard) // counted once
+	ctx := context.Background()
+	k := idempotency.Key{Scope: scope, Name: "key-gauge-3a90"}
+
+	upDown := func(m metricdata.Metrics, unit string, n int64) {
+		t.Helper()
+		assert.Equal(t, unit, m.Unit, m.Name)
+		assert.NotEmpty(t, m.Description, m.Name)
+		metricdatatest.AssertAggregationsEqual(t, metricdata.Sum[int64]{Temporality: metricdata.CumulativeTemporality,
+			IsMonotonic: false, DataPoints: []metricdata.DataPoint[int64]{{Value: n}}}, m.Data,
+			metricdatatest.IgnoreTimestamp(), metricdatatest.IgnoreExemplars())
+	}
+	ms := p.collect(t)
+	upDown(ms["idempotency.operation.count"], "{operation}", 0)
+	upDown(ms["idempotency.waiter.count"], "{call}", 0)
+
+	started, release, done := make(chan struct{}), make(chan struct{}), make(chan struct{}, 2)
+	go func() {
+		_, err := guard.Do(ctx, k, fp, func(context.Context) (idempotency.Response, error) {
+			close(started)
+			<-release
+			return ok201(ctx)
+		})
+		assert.NoError(t, err)
+		done <- struct{}{}
+	}()
+	<-started
+	go func() {
+		_, err := guard.Do(ctx, k, fp, ok201)
+		assert.NoError(t, err)
+		done <- struct{}{}
+	}()
+	require.Eventually(t, func() bool { _, w := guard.InFlight(); return w == 1 }, 5*time.Second, time.Millisecond)
+	ms = p.collect(t)
+	upDown(ms["idempotency.operation.count"], "{operation}", 1)
+	upDown(ms["idempotency.waiter.count"], "{call}", 1)
+
+	close(release)
+	<-done
+	<-done
+	ms = p.collect(t)
+	upDown(ms["idempotency.operation.count"], "{operation}", 0)
+	upDown(ms["idempotency.waiter.count"], "{call}", 0)
+
+	untrack()
+	untrack() // nothing more
+	assert.Contains(t, p.collect(t), "idempotency.operation.count", "still tracked once")
+	untrackAgain()
+	ms = p.collect(t)
+	assert.NotContains(t, ms, "idempotency.operation.count")
+	assert.NotContains(t, ms, "idempotency.waiter.count")
+}
