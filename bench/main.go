@@ -38,9 +38,12 @@ import (
 	"github.com/alicebob/miniredis/v2"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/internal/testserver"
+	idempotencyotel "github.com/idempotency-go/idempotency/otel"
 	"github.com/idempotency-go/idempotency/postgres"
 )
 
@@ -106,6 +109,7 @@ type env struct {
 
 	redisGuard, memGuard *idempotency.Guard
 	slogGuard            *idempotency.Guard // redisGuard's store, logging every event
+	otelGuard            *idempotency.Guard // redisGuard's store, with the OpenTelemetry observer
 	pgGuard              *idempotency.Guard // nil without PostgreSQL
 	pgSkip, pgVersion    string
 
@@ -146,6 +150,16 @@ func setup(ctx context.Context, cfg config, log io.Writer) (e *env, err error) {
 	// costs; at the default Info level replays and executions are skipped.
 	debugLog := slog.New(slog.NewJSONHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	e.slogGuard = idempotency.New(rs, idempotency.Options{Observer: idempotency.SlogObserver(debugLog)})
+	// The SDK's own providers, every span sampled, nothing exported: the
+	// observer's cost, not an exporter's.
+	obs, err := idempotencyotel.NewObserver(idempotencyotel.Options{
+		MeterProvider:  sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader())),
+		TracerProvider: sdktrace.NewTracerProvider(),
+	})
+	if err != nil {
+		return e, err
+	}
+	e.otelGuard = idempotency.New(rs, idempotency.Options{Observer: obs})
 	// Every new operation of the run must fit: a full memory store refuses.
 	e.memGuard = idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{MaxRecords: 1 << 24}), idempotency.Options{})
 
