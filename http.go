@@ -204,6 +204,14 @@ func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	k, body, err := h.admit(r, values)
 	if err != nil {
+		if h.g.opts.Observer != nil {
+			outcome := OutcomeRejected
+			if errors.Is(err, ErrInvalidKey) || errors.Is(err, errKeyMissing) || errors.Is(err, errKeyRepeated) {
+				outcome = OutcomeInvalidKey
+			}
+			h.g.opts.Observer.Observe(r.Context(), Event{Kind: EventOutcome, Outcome: outcome, Scope: k.Scope,
+				Method: r.Method, Route: r.Pattern, Err: err})
+		}
 		h.fail(w, err)
 		return
 	}

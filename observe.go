@@ -59,7 +59,7 @@ const (
 	// OutcomeMismatch: the key belongs to another request: ErrMismatch.
 	OutcomeMismatch
 	// OutcomeInvalidKey: the key was refused before the store was asked:
-	// ErrInvalidKey.
+	// ErrInvalidKey, or for the middleware a key missing or sent twice.
 	OutcomeInvalidKey
 	// OutcomeFenced: the lease ended before the outcome was stored:
 	// ErrFenced.
@@ -84,6 +84,10 @@ const (
 	// OutcomeClientGone: the caller's context ended before the answer: the
 	// client went away. The store may be healthy.
 	OutcomeClientGone
+	// OutcomeRejected: the middleware refused the request before the store
+	// was asked, for its scope (MiddlewareOptions.Scope failed) or its body
+	// (unreadable, or over MaxRequestBytes).
+	OutcomeRejected
 )
 
 var outcomeNames = [...]string{
@@ -92,6 +96,7 @@ var outcomeNames = [...]string{
 	OutcomeInvalidKey: "invalid_key", OutcomeFenced: "fenced", OutcomeRecovered: "recovered",
 	OutcomeRecoveryUnknown: "recovery_unknown", OutcomeReleased: "released", OutcomeForgotten: "forgotten",
 	OutcomeUnavailable: "unavailable", OutcomeFailedOpen: "failed_open", OutcomeClientGone: "client_gone",
+	OutcomeRejected: "rejected",
 }
 
 // String returns the outcome's name in snake case, as metrics label it.

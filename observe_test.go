@@ -305,10 +305,14 @@ func TestObserverMiddleware(t *testing.T) {
 		http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(201) })))
 	serve(mux2, keyed("k", `{}`))
 	serve(mux2, keyed("k", `{}`))
+	serve(mux2, keyed("", `{}`))
+	serve(mux2, keyed("k", strings.Repeat("x", 2<<20)))
 	assert.Equal(t, []string{
 		"outcome failed_open op=claim POST POST /charges",
 		"outcome executed POST POST /charges",
 		"outcome replayed POST POST /charges",
+		"outcome invalid_key POST POST /charges",
+		"outcome rejected POST POST /charges",
 	}, ev.lines())
 }
 

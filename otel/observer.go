@@ -371,7 +371,7 @@ func outcomeErrorType(o idempotency.Outcome) string {
 	switch o {
 	case idempotency.OutcomeInFlight, idempotency.OutcomeMismatch, idempotency.OutcomeInvalidKey,
 		idempotency.OutcomeFenced, idempotency.OutcomeRecoveryUnknown, idempotency.OutcomeUnavailable,
-		idempotency.OutcomeFailedOpen, idempotency.OutcomeClientGone:
+		idempotency.OutcomeFailedOpen, idempotency.OutcomeClientGone, idempotency.OutcomeRejected:
 		return o.String()
 	}
 	return semconv.ErrorTypeOther.Value.AsString()
