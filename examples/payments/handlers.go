@@ -25,10 +25,12 @@ type chargeRequest struct {
 type api struct {
 	gateway gateway
 	ledger  ledger
+	metrics http.Handler // GET /metrics; nil: not mounted
 }
 
 // routes mounts the API. Only POST /v1/charges is guarded: its handler runs
-// at most once per (X-Account-ID, Idempotency-Key), on whichever instance.
+// at most once per (X-Account-ID, Idempotency-Key), on whichever instance;
+// GET /metrics, like the other reads, is not.
 func (a *api) routes(guard *idempotency.Guard) http.Handler {
 	guarded := guard.Middleware(idempotency.MiddlewareOptions{
 		// Keys belong to an account: two accounts never share a record,
@@ -40,6 +42,9 @@ func (a *api) routes(guard *idempotency.Guard) http.Handler {
 	mux.HandleFunc("GET /v1/charges", a.listCharges)
 	mux.HandleFunc("GET /v1/charges/{id}", a.getCharge)
 	mux.HandleFunc("GET /v1/gateway", a.gatewayStats)
+	if a.metrics != nil {
+		mux.Handle("GET /metrics", a.metrics)
+	}
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") })
 	return mux
 }

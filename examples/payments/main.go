@@ -12,6 +12,10 @@
 // (miniredis), which no other process sees: fine for a try-out, not for
 // several instances.
 //
+// GET /metrics serves the service's metrics in the Prometheus format,
+// through OpenTelemetry: the Guard's, from the idempotencyotel Observer, and
+// the store's records in flight and abandoned (Stats), read on each scrape.
+//
 // The gateway and the ledger live in the same database as the idempotency
 // records. The gateway deduplicates on its own idempotency key, which the
 // handler derives with idempotency.DownstreamKey, as a real provider would.
@@ -81,8 +85,17 @@ func run(cfg config) error {
 		return err
 	}
 	defer b.close()
-	a := &api{gateway: b.gateway, ledger: b.ledger}
-	guard := idempotency.New(b.store, idempotency.Options{Lease: cfg.lease, WaitTimeout: cfg.wait, Recover: a.recoverCharge})
+	m, err := newMetrics(b.stats)
+	if err != nil {
+		return err
+	}
+	// Deferred after b.close, so it runs before it: no scrape reads a
+	// closed store.
+	defer m.shutdown()
+	a := &api{gateway: b.gateway, ledger: b.ledger, metrics: m.handler}
+	guard := idempotency.New(b.store, idempotency.Options{Lease: cfg.lease, WaitTimeout: cfg.wait, Recover: a.recoverCharge,
+		Observer: m.observer})
+	defer m.observer.Track(guard)()
 	if cfg.sweep > 0 {
 		sweepCtx, stopSweep := context.WithCancel(ctx)
 		swept := make(chan struct{})
@@ -143,6 +156,7 @@ func sweep(ctx context.Context, guard *idempotency.Guard, every time.Duration) {
 // gateway and the ledger, all in one database.
 type backends struct {
 	store   idempotency.Store
+	stats   statsReader // the same store, for the metrics' gauges
 	gateway gateway
 	ledger  ledger
 	close   func()
@@ -178,7 +192,7 @@ func openPostgres(ctx context.Context, cfg config) (*backends, error) {
 		pool.Close()
 		return nil, err
 	}
-	return &backends{store: store, gateway: pg, ledger: pg, close: func() { store.Close(); pool.Close() }}, nil
+	return &backends{store: store, stats: store, gateway: pg, ledger: pg, close: func() { store.Close(); pool.Close() }}, nil
 }
 
 func openRedis(ctx context.Context, cfg config) (*backends, error) {
@@ -210,7 +224,7 @@ func openRedis(ctx context.Context, cfg config) (*backends, error) {
 		return nil, err
 	}
 	rb := &redisBackend{c: c, latency: cfg.work}
-	return &backends{store: store, gateway: rb, ledger: rb, close: func() {
+	return &backends{store: store, stats: store, gateway: rb, ledger: rb, close: func() {
 		store.Close()
 		c.Close()
 		closeEmbedded()
