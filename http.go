@@ -323,7 +323,8 @@ func (h *guarded) serve(w http.ResponseWriter, r *http.Request, k Key, fp Finger
 	if h.g.opts.Observer != nil {
 		t.start = time.Now()
 	}
-	res, err := h.g.do(r.Context(), k, fp, func(ctx context.Context) (Response, error) {
+	ctx, end := h.g.startPhase(r.Context(), PhaseCall, PhaseStart{Scope: k.Scope})
+	res, err := h.g.do(ctx, k, fp, func(ctx context.Context) (Response, error) {
 		info, _ := FromContext(ctx)
 		rec = &recorder{w: w, header: make(http.Header), limit: h.o.MaxResponseBytes}
 		rec.settle = func(resp Response) error {
@@ -341,7 +342,10 @@ func (h *guarded) serve(w http.ResponseWriter, r *http.Request, k Key, fp Finger
 		}
 		return resp, err
 	}, &t)
-	defer func() { h.g.report(r.Context(), k.Scope, &t, res, err) }()
+	defer func() {
+		h.g.report(ctx, k.Scope, &t, res, err)
+		end(err)
+	}()
 	switch {
 	case rec == nil && err == nil:
 		sendHead(w, res.Response.Status, res.Response.Header, true)

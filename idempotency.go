@@ -200,6 +200,7 @@ type Guard struct {
 	opts    Options
 	waiters chan struct{} // a semaphore of Options.MaxWaiters slots
 	owners  atomic.Int64  // owners between own and close: operations running here
+	phases  PhaseObserver // Options.Observer, when it traces phases
 }
 
 // InFlight returns how many operations this Guard is running as the owner
@@ -213,7 +214,9 @@ func (g *Guard) InFlight() (operations, waiting int) {
 // New returns a Guard that keeps its records in store.
 func New(store Store, opts Options) *Guard {
 	opts = opts.withDefaults()
-	return &Guard{store: store, opts: opts, waiters: make(chan struct{}, opts.MaxWaiters)}
+	g := &Guard{store: store, opts: opts, waiters: make(chan struct{}, opts.MaxWaiters)}
+	g.phases, _ = opts.Observer.(PhaseObserver)
+	return g
 }
 
 // Result is what Guard.Do returns: the operation's response, and whether it
@@ -267,8 +270,10 @@ func (g *Guard) Do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx conte
 	if g.opts.Observer != nil {
 		t.start = time.Now()
 	}
+	ctx, end := g.startPhase(ctx, PhaseCall, PhaseStart{Scope: k.Scope})
 	res, err := g.do(ctx, k, fp, fn, &t)
 	g.report(ctx, k.Scope, &t, res, err)
+	end(err)
 	return res, err
 }
 
@@ -306,7 +311,9 @@ func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx conte
 func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) (c Claim, sent time.Time, err error) {
 	req := ClaimRequest{Key: k, Fingerprint: fp, OperationID: newOperationID(), Lease: g.opts.Lease, Retention: g.opts.Retention}
 	sent = time.Now()
-	c, err = g.store.Claim(ctx, req)
+	cctx, endClaim := g.startPhase(ctx, PhaseClaim, PhaseStart{Scope: k.Scope})
+	c, err = g.store.Claim(cctx, req)
+	endClaim(err)
 	if err != nil {
 		t.op = OpClaim
 		return c, sent, err
@@ -324,7 +331,11 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 		return c, sent, fmt.Errorf("%w: %d requests already waiting", ErrInFlight, cap(g.waiters))
 	}
 	waitStart := time.Now()
-	defer func() { t.waited = time.Since(waitStart) }()
+	ctx, endWait := g.startPhase(ctx, PhaseWait, PhaseStart{Scope: k.Scope})
+	defer func() {
+		t.waited = time.Since(waitStart)
+		endWait(err)
+	}()
 	wctx, cancel := context.WithTimeout(ctx, g.opts.WaitTimeout)
 	defer cancel()
 	// Subscribe before re-reading: a completion that lands between the two

@@ -18,6 +18,61 @@ type Observer interface {
 	Observe(ctx context.Context, e Event)
 }
 
+// PhaseObserver is an Observer that is also told as each phase of a call
+// begins, to trace it. The Guard runs the phase in the context StartPhase
+// returns, so a span started there is the parent of the spans the phase
+// makes (the operation's own, a store client's), and calls end once, with
+// the phase's error, when the phase ends. PhaseCall encloses the others,
+// and the call's EventOutcome is observed in its context, before its end.
+type PhaseObserver interface {
+	Observer
+	StartPhase(ctx context.Context, p Phase, s PhaseStart) (_ context.Context, end func(err error))
+}
+
+// Phase is one stage of a call of Guard.Do or of the middleware.
+type Phase int
+
+const (
+	// PhaseCall: the whole call, from its start to its answer.
+	PhaseCall Phase = iota + 1
+	// PhaseClaim: the first claim of the key.
+	PhaseClaim
+	// PhaseWait: waiting for an original in flight, re-claims included.
+	PhaseWait
+	// PhaseRun: the operation, or Options.Recover, running as the owner.
+	PhaseRun
+	// PhaseSettle: the store call that settles the record.
+	PhaseSettle
+)
+
+var phaseNames = [...]string{PhaseCall: "call", PhaseClaim: "claim", PhaseWait: "wait", PhaseRun: "run", PhaseSettle: "settle"}
+
+// String returns the phase's name.
+func (p Phase) String() string {
+	if p > 0 && int(p) < len(phaseNames) {
+		return phaseNames[p]
+	}
+	return fmt.Sprintf("Phase(%d)", int(p))
+}
+
+// PhaseStart describes a phase as it begins. Attempt and Token are set for
+// PhaseRun and PhaseSettle, which the owner runs.
+type PhaseStart struct {
+	Scope   string
+	Attempt int
+	Token   uint64
+}
+
+// startPhase starts phase p for a PhaseObserver, if the Guard has one.
+func (g *Guard) startPhase(ctx context.Context, p Phase, s PhaseStart) (context.Context, func(error)) {
+	if g.phases == nil {
+		return ctx, noPhaseEnd
+	}
+	return g.phases.StartPhase(ctx, p, s)
+}
+
+func noPhaseEnd(error) {}
+
 // EventKind says what an Event reports.
 type EventKind int
 

@@ -343,3 +343,83 @@ func TestSlogObserver(t *testing.T) {
 		assert.Contains(t, lines[i], want)
 	}
 }
+
+// phases records the phases a PhaseObserver is told of, and the events, in
+// order; each phase's context carries its name.
+type phases struct {
+	events
+	mu    sync.Mutex
+	order []string
+}
+
+type phaseKey struct{}
+
+func (p *phases) log(s string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.order = append(p.order, s)
+}
+
+func (p *phases) Observe(ctx context.Context, e Event) {
+	in, _ := ctx.Value(phaseKey{}).(string)
+	if e.Kind == EventOutcome {
+		p.log("outcome " + e.Outcome.String() + " in " + in)
+	}
+	p.events.Observe(ctx, e)
+}
+
+func (p *phases) StartPhase(ctx context.Context, ph Phase, s PhaseStart) (context.Context, func(error)) {
+	in, _ := ctx.Value(phaseKey{}).(string)
+	start := fmt.Sprintf("start %v in %q", ph, in)
+	if s.Attempt > 0 {
+		start += fmt.Sprintf(" attempt=%d token>0=%v", s.Attempt, s.Token > 0)
+	}
+	p.log(start)
+	ended := false
+	return context.WithValue(ctx, phaseKey{}, ph.String()), func(err error) {
+		if ended {
+			p.log(fmt.Sprintf("end %v again", ph))
+		}
+		ended = true
+		p.log(fmt.Sprintf("end %v err=%v", ph, err != nil))
+	}
+}
+
+// A PhaseObserver sees each phase of a call begin and end, nested in the
+// call's, and the operation runs in its run phase's context.
+func TestPhaseObserver(t *testing.T) {
+	ctx := context.Background()
+	fp := FingerprintOf("charge", nil)
+	p := &phases{}
+	s := NewMemoryStore(MemoryOptions{})
+	g := New(s, Options{Observer: p})
+	_, err := g.Do(ctx, Key{Name: "new"}, fp, func(ctx context.Context) (Response, error) {
+		in, _ := ctx.Value(phaseKey{}).(string)
+		p.log("operation in " + in)
+		return Response{Status: 201}, nil
+	})
+	require.NoError(t, err)
+	assert.Equal(t, []string{
+		`start call in ""`,
+		`start claim in "call"`, `end claim err=false`,
+		`start run in "call" attempt=1 token>0=true`, `operation in run`, `end run err=false`,
+		`start settle in "call" attempt=1 token>0=true`, `end settle err=false`,
+		`outcome executed in call`,
+		`end call err=false`,
+	}, p.order)
+
+	// A duplicate that waits for a live original, in vain.
+	_, err = s.Claim(ctx, ClaimRequest{Key: Key{Name: "live"}, Fingerprint: fp, OperationID: "op-live", Lease: time.Hour, Retention: time.Hour})
+	require.NoError(t, err)
+	p.order = nil
+	g = New(s, Options{Observer: p, WaitTimeout: 20 * time.Millisecond})
+	_, err = g.Do(ctx, Key{Name: "live"}, fp, ok201)
+	require.ErrorIs(t, err, ErrInFlight)
+	assert.Equal(t, []string{
+		`start call in ""`,
+		`start claim in "call"`, `end claim err=false`,
+		`start wait in "call"`, `end wait err=true`,
+		`outcome in_flight in call`,
+		`end call err=true`,
+	}, p.order)
+}

@@ -56,6 +56,10 @@ type owner struct {
 // up without settling, so the record stays abandoned for the next claim.
 const abandon Disposition = -1
 
+// errPanicked ends the run phase of an operation that panicked; the panic
+// itself goes on.
+var errPanicked = errors.New("idempotency: the operation panicked")
+
 // errLateClaim: the store confirmed a claim only after the lease it started
 // would have run out, so the caller must not act on it.
 var errLateClaim = errors.New("claim confirmed too late to act on")
@@ -187,7 +191,15 @@ func (o *owner) call(f func(ctx context.Context) (Response, error), onPanic Disp
 			_ = o.settle(Response{}, onPanic)
 		}
 	}()
-	resp, err := f(context.WithValue(o.ctx, infoKey{}, info))
+	fctx, endRun := o.g.startPhase(context.WithValue(o.ctx, infoKey{}, info), PhaseRun,
+		PhaseStart{Scope: o.k.Scope, Attempt: c.Attempt, Token: c.Token})
+	defer func() {
+		if !returned {
+			endRun(errPanicked)
+		}
+	}()
+	resp, err := f(fctx)
+	endRun(err)
 	returned = true
 	if settled {
 		return resp, Settled, err
@@ -215,6 +227,7 @@ func (o *owner) settle(resp Response, d Disposition) error {
 	}
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(o.ctx), deadline)
 	defer cancel()
+	ctx, endSettle := o.g.startPhase(ctx, PhaseSettle, PhaseStart{Scope: o.k.Scope, Attempt: o.c.Attempt, Token: o.c.Token})
 	done := make(chan error, 1)
 	go func() { done <- o.g.apply(ctx, o.k, o.c.Token, resp, d) }()
 	var err error
@@ -223,6 +236,7 @@ func (o *owner) settle(resp Response, d Disposition) error {
 	case <-ctx.Done():
 		err = fmt.Errorf("%w: the store did not confirm the outcome before the lease ran out: %w", ErrUnavailable, ctx.Err())
 	}
+	endSettle(err)
 	switch {
 	case err != nil:
 		o.t.op = settleOp(d)
