@@ -19,10 +19,10 @@
 //
 // Each call is also one span, idempotency.call, of kind Internal, a child of
 // the span in the call's context (the request's span under otelhttp), or a
-// root span when there is none. The Guard reports a call only when it has
-// ended, so the span is made after the fact with the call's own start and
-// end times. Renewals, takeovers and sweeps are not spans: they are events
-// on the span in their context, when that span is recording.
+// root span when there is none; its phases (claim, wait, run, settle) are
+// spans under it (see StartPhase). Renewals, takeovers and sweeps are not
+// spans: they are events on the span in their context, when that span is
+// recording.
 //
 // # What is not reported, and why
 //
@@ -30,16 +30,13 @@
 //     are unbounded, so each would make a time series of its own. Spans
 //     leave it out too: an application that wants the tenant on its traces
 //     puts it on its own request span.
-//   - Nothing carries the key, the fencing token or a body. The key and
-//     the bodies are the client's data; the token is not secret, but it is
-//     different for every call, which no attribute should be.
+//   - Nothing carries the key or a body: they are the client's data. The
+//     fencing token is on the run and settle spans only, never on a metric,
+//     where a value different for every call would make a series of its own.
 //   - An error's text is never an attribute value: error.type takes the
 //     outcome's name, or fenced / unavailable for a failed renewal or
 //     sweep, or _OTHER. Only the calls whose span is marked an error (see
 //     Observer.Observe) record the error itself, as an exception event.
-//   - There is one span per call, with how long it waited as an attribute,
-//     not one per phase (claim, wait, run, settle): the Guard reports
-//     phases to no one, so per-phase spans need hooks in the core first.
 package idempotencyotel
 
 import (
@@ -71,6 +68,7 @@ const (
 	keyOutcome        = attribute.Key("idempotency.outcome")
 	keyStoreOperation = attribute.Key("idempotency.store.operation")
 	keyAttempt        = attribute.Key("idempotency.attempt")
+	keyToken          = attribute.Key("idempotency.token")
 	keyWaitDuration   = attribute.Key("idempotency.wait.duration")
 	keyRenewalResult  = attribute.Key("idempotency.renewal.result")
 	keyRenewalDur     = attribute.Key("idempotency.renewal.duration")
@@ -278,20 +276,62 @@ func (o *Observer) outcome(ctx context.Context, e idempotency.Event) {
 	if e.Waited > 0 {
 		attrs = append(attrs, keyWaitDuration.Float64(e.Waited.Seconds()))
 	}
-	ctx, span := o.tracer.Start(ctx, spanCall, trace.WithSpanKind(trace.SpanKindInternal),
-		trace.WithTimestamp(end.Add(-e.Duration)), trace.WithAttributes(attrs...))
+	// The call's span, which StartPhase began, gets the outcome and ends
+	// with the phase; a call reported without one (a request the
+	// middleware refused before the store) gets a span after the fact.
+	span, live := ctx.Value(callSpanKey{}).(trace.Span)
+	if live {
+		span.SetAttributes(attrs...)
+	} else {
+		ctx, span = o.tracer.Start(ctx, spanCall, trace.WithSpanKind(trace.SpanKindInternal),
+			trace.WithTimestamp(end.Add(-e.Duration)), trace.WithAttributes(attrs...))
+	}
 	if serviceFailure(e.Outcome) {
 		if e.Err != nil {
 			span.RecordError(e.Err, trace.WithTimestamp(end))
 		}
 		span.SetStatus(codes.Error, e.Outcome.String())
 	}
-	span.End(trace.WithTimestamp(end))
+	if !live {
+		span.End(trace.WithTimestamp(end))
+	}
 
 	o.outcomes.Add(ctx, 1, metric.WithAttributeSet(set))
 	o.callDuration.Record(ctx, e.Duration.Seconds(), metric.WithAttributeSet(set))
 	if e.Waited > 0 {
 		o.waitDuration.Record(ctx, e.Waited.Seconds(), metric.WithAttributes(outcome))
+	}
+}
+
+// callSpanKey marks, in a call's context, the span StartPhase began for
+// the call.
+type callSpanKey struct{}
+
+var _ idempotency.PhaseObserver = (*Observer)(nil)
+
+// StartPhase implements idempotency.PhaseObserver: each phase of a call is
+// a span of kind Internal named idempotency.<phase> (idempotency.claim,
+// .wait, .run, .settle), a child of the call's span, idempotency.call,
+// which is a child of the span in the call's context. The run and settle
+// spans carry the owner's attempt and fencing token. A phase that ends in
+// an error has status Error, described by the phase's name: the error's
+// text, which may be the application's, is not recorded. The call's span
+// gets its outcome from the call's EventOutcome.
+func (o *Observer) StartPhase(ctx context.Context, p idempotency.Phase, s idempotency.PhaseStart) (context.Context, func(error)) {
+	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindInternal)}
+	if s.Attempt > 0 {
+		// Tokens are issued from 1 up to MaxInt64.
+		opts = append(opts, trace.WithAttributes(keyAttempt.Int(s.Attempt), keyToken.Int64(int64(s.Token))))
+	}
+	ctx, span := o.tracer.Start(ctx, "idempotency."+p.String(), opts...)
+	if p == idempotency.PhaseCall {
+		return context.WithValue(ctx, callSpanKey{}, span), func(error) { span.End() }
+	}
+	return ctx, func(err error) {
+		if err != nil {
+			span.SetStatus(codes.Error, p.String())
+		}
+		span.End()
 	}
 }
 

@@ -740,3 +740,67 @@ func TestObserverTracksInFlight(t *testing.T) {
 	assert.NotContains(t, ms, "idempotency.operation.count")
 	assert.NotContains(t, ms, "idempotency.waiter.count")
 }
+
+// Given to a Guard as itself, the Observer traces each phase: claim, run
+// and settle are children of the call's span, which is a child of the
+// request's, and the operation's own spans are children of run. The run
+// and settle spans carry the attempt and token, the call's span the
+// outcome, and the renewal is an event on the call's span.
+func TestObserverPhaseSpans(t *testing.T) {
+	p := newPipeline(t)
+	g := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}),
+		idempotency.Options{Observer: p.obs, Lease: 300 * time.Millisecond})
+	ctx, parent := p.tp.Tracer("test").Start(context.Background(), "request")
+	_, err := g.Do(ctx, idempotency.Key{Scope: scope, Name: "phases"}, fp, func(ctx context.Context) (idempotency.Response, error) {
+		_, own := p.tp.Tracer("test").Start(ctx, "charge the card")
+		time.Sleep(150 * time.Millisecond) // one renewal, at 100ms
+		own.End()
+		return ok201(ctx)
+	})
+	require.NoError(t, err)
+	parent.End()
+
+	byName := map[string]sdktrace.ReadOnlySpan{}
+	for _, s := range p.spans.Ended() {
+		require.NotContains(t, byName, s.Name(), "two spans named %s", s.Name())
+		byName[s.Name()] = s
+	}
+	for _, name := range []string{"request", "idempotency.call", "idempotency.claim", "idempotency.run", "idempotency.settle", "charge the card"} {
+		require.Contains(t, byName, name)
+	}
+	parentOf := func(name string) string {
+		for n, s := range byName {
+			if s.SpanContext().SpanID() == byName[name].Parent().SpanID() {
+				return n
+			}
+		}
+		return ""
+	}
+	assert.Equal(t, "request", parentOf("idempotency.call"))
+	for _, phase := range []string{"idempotency.claim", "idempotency.run", "idempotency.settle"} {
+		assert.Equal(t, "idempotency.call", parentOf(phase), phase)
+		assert.Equal(t, trace.SpanKindInternal, byName[phase].SpanKind(), phase)
+	}
+	assert.Equal(t, "idempotency.run", parentOf("charge the card"))
+
+	attrs := func(name string) map[attribute.Key]attribute.Value {
+		out := map[attribute.Key]attribute.Value{}
+		for _, kv := range byName[name].Attributes() {
+			out[kv.Key] = kv.Value
+		}
+		return out
+	}
+	for _, phase := range []string{"idempotency.run", "idempotency.settle"} {
+		a := attrs(phase)
+		assert.Equal(t, int64(1), a["idempotency.attempt"].AsInt64(), phase)
+		assert.Positive(t, a["idempotency.token"].AsInt64(), phase)
+	}
+	assert.Equal(t, "executed", attrs("idempotency.call")["idempotency.outcome"].AsString())
+	call := byName["idempotency.call"]
+	assert.False(t, call.EndTime().Before(byName["idempotency.settle"].EndTime()), "the call ends after its settle phase")
+	var events []string
+	for _, e := range call.Events() {
+		events = append(events, e.Name)
+	}
+	assert.Contains(t, events, "idempotency.renewal")
+}
