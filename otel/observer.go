@@ -42,6 +42,7 @@ package idempotencyotel
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"time"
@@ -69,6 +70,7 @@ const (
 	keyStoreOperation = attribute.Key("idempotency.store.operation")
 	keyAttempt        = attribute.Key("idempotency.attempt")
 	keyToken          = attribute.Key("idempotency.token")
+	keyRecordState    = attribute.Key("idempotency.record.state")
 	keyWaitDuration   = attribute.Key("idempotency.wait.duration")
 	keyRenewalResult  = attribute.Key("idempotency.renewal.result")
 	keyRenewalDur     = attribute.Key("idempotency.renewal.duration")
@@ -114,10 +116,22 @@ type Observer struct {
 	outcomes, renewals, takeovers, sweepRecords, sweeps metric.Int64Counter
 	callDuration, waitDuration, renewalDuration         metric.Float64Histogram
 	operations, waiters                                 metric.Int64ObservableUpDownCounter
+	storeRecords                                        metric.Int64ObservableGauge
 
 	mu     sync.Mutex
 	guards map[*idempotency.Guard]int // the Guards tracked, with how many Track calls each
+	stores map[*StatsReader]struct{}  // the stores tracked by TrackStore, one entry per call
 }
+
+// StatsReader is a store that counts its records in flight: the Redis and
+// memory stores of the core, and the postgres package's, all are.
+type StatsReader interface {
+	Stats(ctx context.Context) (idempotency.Stats, error)
+}
+
+// statsTimeout bounds each collection's Stats calls: a store that hangs
+// leaves the gauge out of that collection instead of holding it up.
+const statsTimeout = 5 * time.Second
 
 var _ idempotency.Observer = (*Observer)(nil)
 
@@ -176,6 +190,15 @@ func NewObserver(opts Options) (*Observer, error) {
 		"Calls of the tracked Guards waiting for an original in flight now.")
 	_, err := meter.RegisterCallback(o.observeInFlight, o.operations, o.waiters)
 	errs = append(errs, err)
+	o.storeRecords, err = meter.Int64ObservableGauge("idempotency.store.records", metric.WithUnit("{record}"),
+		metric.WithDescription("Records in flight in the tracked stores, by state: in_flight (the owner's lease is live) "+
+			"or abandoned (the lease ran out unsettled; waiting for a retry or a sweep)."))
+	errs = append(errs, err)
+	if o.storeRecords == nil {
+		o.storeRecords = noop.Int64ObservableGauge{}
+	}
+	_, err = meter.RegisterCallback(o.observeStores, o.storeRecords)
+	errs = append(errs, err)
 	return o, errors.Join(errs...)
 }
 
@@ -207,6 +230,55 @@ func (o *Observer) Track(g *idempotency.Guard) (untrack func()) {
 
 // observeInFlight reports the tracked Guards' sums, one observation of
 // each instrument as the API asks, however many Guards there are.
+// TrackStore reports s's Stats as idempotency.store.records, with
+// idempotency.record.state = in_flight or abandoned, read from the store
+// each time the metrics are collected, until untrack is called. Every
+// process that shares a store reports the same store-wide counts: alert on
+// their max, not their sum. Stores tracked at once are summed. A Stats that
+// fails or takes over 5s leaves the gauge out of that collection (the SDK
+// reports the error) rather than report zero abandoned records that may be
+// there.
+func (o *Observer) TrackStore(s StatsReader) (untrack func()) {
+	key := &s
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.stores == nil {
+		o.stores = map[*StatsReader]struct{}{}
+	}
+	o.stores[key] = struct{}{}
+	return func() {
+		o.mu.Lock()
+		defer o.mu.Unlock()
+		delete(o.stores, key)
+	}
+}
+
+func (o *Observer) observeStores(ctx context.Context, obs metric.Observer) error {
+	o.mu.Lock()
+	stores := make([]StatsReader, 0, len(o.stores))
+	for s := range o.stores {
+		stores = append(stores, *s)
+	}
+	o.mu.Unlock()
+	if len(stores) == 0 {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, statsTimeout)
+	defer cancel()
+	var total idempotency.Stats
+	for _, s := range stores {
+		st, err := s.Stats(ctx)
+		if err != nil {
+			return fmt.Errorf("idempotency store stats: %w", err)
+		}
+		total.InFlight += st.InFlight
+		total.Abandoned += st.Abandoned
+	}
+	obs.ObserveInt64(o.storeRecords, total.InFlight, metric.WithAttributes(keyRecordState.String("in_flight")))
+	obs.ObserveInt64(o.storeRecords, total.Abandoned, metric.WithAttributes(keyRecordState.String("abandoned")))
+	return nil
+}
+
 func (o *Observer) observeInFlight(_ context.Context, obs metric.Observer) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()

@@ -804,3 +804,30 @@ func TestObserverPhaseSpans(t *testing.T) {
 	}
 	assert.Contains(t, events, "idempotency.renewal")
 }
+
+// TrackStore reports a store's Stats as idempotency.store.records, by state,
+// at each collection, and nothing once untracked.
+func TestObserverTracksStore(t *testing.T) {
+	p := newPipeline(t)
+	ctx := context.Background()
+	store := idempotency.NewMemoryStore(idempotency.MemoryOptions{})
+	for i, lease := range []time.Duration{time.Hour, time.Hour, time.Millisecond} {
+		_, err := store.Claim(ctx, idempotency.ClaimRequest{Key: idempotency.Key{Name: fmt.Sprint("k", i)}, Fingerprint: fp,
+			OperationID: fmt.Sprint("op-", i), Lease: lease, Retention: time.Hour})
+		require.NoError(t, err)
+	}
+	time.Sleep(5 * time.Millisecond)
+	untrack := p.obs.TrackStore(store)
+
+	m, ok := p.collect(t)["idempotency.store.records"]
+	require.True(t, ok, "idempotency.store.records not reported")
+	assert.Equal(t, "{record}", m.Unit)
+	metricdatatest.AssertEqual(t, metricdata.Gauge[int64]{DataPoints: []metricdata.DataPoint[int64]{
+		{Attributes: attribute.NewSet(attribute.String("idempotency.record.state", "in_flight")), Value: 2},
+		{Attributes: attribute.NewSet(attribute.String("idempotency.record.state", "abandoned")), Value: 1},
+	}}, m.Data.(metricdata.Gauge[int64]), metricdatatest.IgnoreTimestamp())
+
+	untrack()
+	_, ok = p.collect(t)["idempotency.store.records"]
+	assert.False(t, ok, "reported after untrack")
+}

@@ -50,6 +50,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idempotency-go/idempotency"
+	idempotencyotel "github.com/idempotency-go/idempotency/otel"
 	"github.com/idempotency-go/idempotency/postgres"
 )
 
@@ -156,7 +157,7 @@ func sweep(ctx context.Context, guard *idempotency.Guard, every time.Duration) {
 // gateway and the ledger, all in one database.
 type backends struct {
 	store   idempotency.Store
-	stats   statsReader // the same store, for the metrics' gauges
+	stats   idempotencyotel.StatsReader // the same store, for the metrics' gauges
 	gateway gateway
 	ledger  ledger
 	close   func()
