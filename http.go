@@ -202,20 +202,18 @@ func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.next.ServeHTTP(w, r)
 		return
 	}
+	t := callState{method: r.Method, route: r.Pattern}
+	if h.g.opts.Observer != nil {
+		t.start = time.Now()
+	}
 	k, body, err := h.admit(r, values)
 	if err != nil {
-		if h.g.opts.Observer != nil {
-			outcome := OutcomeRejected
-			if errors.Is(err, ErrInvalidKey) || errors.Is(err, errKeyMissing) || errors.Is(err, errKeyRepeated) {
-				outcome = OutcomeInvalidKey
-			}
-			h.g.opts.Observer.Observe(r.Context(), Event{Kind: EventOutcome, Outcome: outcome, Scope: k.Scope,
-				Method: r.Method, Route: r.Pattern, Err: err})
-		}
+		t.rejected = true
+		h.g.report(r.Context(), k.Scope, &t, Result{}, err)
 		h.fail(w, err)
 		return
 	}
-	h.serve(w, r, k, requestFingerprint(r, body, h.o.FingerprintHeaders), body)
+	h.serve(w, r, &t, k, requestFingerprint(r, body, h.o.FingerprintHeaders), body)
 }
 
 // admit checks everything that can be checked before the store is asked:
@@ -317,12 +315,8 @@ func withBody(ctx context.Context, r *http.Request, body []byte) *http.Request {
 // stores the outcome when the handler returns, and only then is it sent.
 // A body too large to buffer is settled early instead (Info.settleEarly),
 // from inside the handler's Write, and then streamed.
-func (h *guarded) serve(w http.ResponseWriter, r *http.Request, k Key, fp Fingerprint, body []byte) {
+func (h *guarded) serve(w http.ResponseWriter, r *http.Request, t *callState, k Key, fp Fingerprint, body []byte) {
 	var rec *recorder // set once the handler runs: Do made this request the owner
-	t := callState{method: r.Method, route: r.Pattern}
-	if h.g.opts.Observer != nil {
-		t.start = time.Now()
-	}
 	ctx, end := h.g.startPhase(r.Context(), PhaseCall, PhaseStart{Scope: k.Scope})
 	res, err := h.g.do(ctx, k, fp, func(ctx context.Context) (Response, error) {
 		info, _ := FromContext(ctx)
@@ -341,9 +335,9 @@ func (h *guarded) serve(w http.ResponseWriter, r *http.Request, k Key, fp Finger
 			info.defaultTo(h.o.Disposition(resp.Status))
 		}
 		return resp, err
-	}, &t)
+	}, t)
 	defer func() {
-		h.g.report(ctx, k.Scope, &t, res, err)
+		h.g.report(ctx, k.Scope, t, res, err)
 		end(err)
 	}()
 	switch {

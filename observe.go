@@ -218,6 +218,7 @@ type callState struct {
 	recovered     bool // Options.Recover settled the record
 	unknown       bool // Options.Recover could not tell
 	failedOpen    bool
+	rejected      bool // the middleware refused the request before the store
 }
 
 // observe tells the Guard's Observer of e, if it has one.
@@ -243,6 +244,10 @@ func (t *callState) outcome(ctx context.Context, res Result, err error) Outcome 
 	switch {
 	case t.failedOpen:
 		return OutcomeFailedOpen
+	case t.rejected && (errors.Is(err, ErrInvalidKey) || errors.Is(err, errKeyMissing) || errors.Is(err, errKeyRepeated)):
+		return OutcomeInvalidKey
+	case t.rejected:
+		return OutcomeRejected
 	case err == nil && res.Replayed && t.recovered:
 		return OutcomeRecovered
 	case err == nil && res.Replayed && t.waited > 0:
