@@ -297,8 +297,9 @@ func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx conte
 		t.op = OpClaim
 		return Result{}, err
 	}
+	t.owned, t.attempt = true, c.Attempt
 	res, err := o.run(fn)
-	t.owned, t.attempt, t.disposition, t.recovered, t.unknown = true, o.t.attempt, o.t.disposition, o.t.recovered, o.t.unknown
+	t.disposition, t.recovered, t.unknown = o.t.disposition, o.t.recovered, o.t.unknown
 	if o.t.op != "" {
 		t.op = o.t.op
 	}

@@ -47,8 +47,9 @@ type owner struct {
 	lost     error         // why the lease ended before the owner settled; matches ErrFenced
 	failed   error         // the last renewal's failure, named when the lease then runs out
 
-	// t is what the call learns as the owner, for its Observer. Written on
-	// the goroutine that runs the operation only.
+	// t is what the call learns as the owner, for its Observer: the
+	// disposition applied, a failed store call, and what Recover decided.
+	// Written on the goroutine that runs the operation only.
 	t callState
 }
 
@@ -71,8 +72,7 @@ var errLateClaim = errors.New("claim confirmed too late to act on")
 func (g *Guard) own(ctx context.Context, k Key, c Claim, sent time.Time) (*owner, error) {
 	lease := g.opts.Lease
 	now := time.Now()
-	o := &owner{g: g, k: k, c: c, deadline: sent.Add(lease - leaseMargin(lease)), next: sent.Add(lease / 3), rtt: now.Sub(sent),
-		t: callState{owned: true, attempt: c.Attempt}}
+	o := &owner{g: g, k: k, c: c, deadline: sent.Add(lease - leaseMargin(lease)), next: sent.Add(lease / 3), rtt: now.Sub(sent)}
 	if !now.Before(o.deadline) {
 		// Not waited for: it only spares the next claim the wait for the
 		// lease, and the token keeps it harmless whenever it lands.
