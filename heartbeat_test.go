@@ -243,14 +243,15 @@ func TestLateClaimIsGivenBack(t *testing.T) {
 	}, time.Second, 5*time.Millisecond, "the late claim's record was not given back")
 }
 
-// A handler tells a lost lease from a caller gone by its context's cause:
-// ErrFenced for the first (see TestHeartbeatGivesUpWhenRenewalsFail), the
-// caller's own cause for the second.
+// With CancelWithCaller, a handler tells a lost lease from a caller gone by
+// its context's cause: ErrFenced for the first (see
+// TestHeartbeatGivesUpWhenRenewalsFail), the caller's own cause for the
+// second.
 func TestCallerGoneIsNotALostLease(t *testing.T) {
 	ctx, cancel := context.WithCancelCause(context.Background())
 	gone := errors.New("client gone")
 	var cause error
-	_, err := New(NewMemoryStore(MemoryOptions{}), Options{}).Do(ctx, Key{Name: "k"}, FingerprintOf("op", nil),
+	_, err := New(NewMemoryStore(MemoryOptions{}), Options{CancelWithCaller: true}).Do(ctx, Key{Name: "k"}, FingerprintOf("op", nil),
 		func(ctx context.Context) (Response, error) {
 			cancel(gone)
 			<-ctx.Done()

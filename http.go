@@ -142,8 +142,10 @@ func DefaultDisposition(status int) Disposition {
 // DownstreamKey, SetDisposition work in it) and is cancelled, with a cause
 // matching ErrFenced, when the lease ends (see Guard.Do): then the response
 // is not stored, the client gets 503, and the handler should stop and not
-// act further. A client that went away cancels it too, with the request
-// context's own cause (context.Canceled). Its request body is the buffered body.
+// act further. A client that goes away or times out does not cancel it
+// (unless Options.CancelWithCaller): the handler runs to its end and its
+// outcome is stored for the client's retry, while Options.OperationTimeout
+// and the lease bound it. Its request body is the buffered body.
 // Flush does nothing until the outcome is stored, and Hijack fails. If the
 // handler panics, the key is released before the panic goes on.
 //

@@ -172,6 +172,21 @@ type Options struct {
 	// between outcomes (see Observer). Default nil: nothing is reported,
 	// and nothing is measured for it.
 	Observer Observer
+	// CancelWithCaller ends an operation's context when the caller's ends
+	// (for net/http, when the client goes away or times out), with the
+	// caller's cause; what the operation then returns is its outcome.
+	// Default false: once an operation starts it runs to its end whatever
+	// the caller does, on a context that keeps the caller's values but not
+	// its cancellation or deadline, so that a client that gives up cannot
+	// abort a charge half-way and its retry replays the finished outcome.
+	// The lease and OperationTimeout still bound it. Claiming and waiting
+	// always stop with the caller.
+	CancelWithCaller bool
+	// OperationTimeout bounds each run of an operation or of Recover: its
+	// context ends that long after it starts, with context.DeadlineExceeded,
+	// and what it returns is its outcome. Default 0: no bound but the lease,
+	// which the Guard renews as long as this process runs.
+	OperationTimeout time.Duration
 }
 
 func (o Options) withDefaults() Options {
@@ -250,9 +265,11 @@ type Result struct {
 // process's clock, whatever the store or the network does (margin is
 // Lease/20, at least 10ms and at most Lease/4). The store counts its lease
 // from when it applied that call, so no other attempt can own the record
-// while fn's context is live. Cancelled because the caller went away, the
-// context has the caller's cause instead (context.Canceled for a client gone
-// from net/http). If the lease ends before fn returns, the Guard stores
+// while fn's context is live. It does not end when ctx does, unless
+// Options.CancelWithCaller says so: fn runs to its end, its outcome is
+// stored, and Do returns it even to a caller that has gone (ctx bounds the
+// claim and the wait only). Options.OperationTimeout bounds fn's run.
+// If the lease ends before fn returns, the Guard stores
 // nothing and Do returns ErrFenced (an operation that stored its outcome
 // itself, see Settled, may still have committed it).
 //

@@ -83,6 +83,11 @@ func (g *Guard) own(ctx context.Context, k Key, c Claim, sent time.Time) (*owner
 		}()
 		return nil, fmt.Errorf("%w: %w, %v after it was sent", ErrUnavailable, errLateClaim, now.Sub(sent).Round(time.Millisecond))
 	}
+	if !g.opts.CancelWithCaller {
+		// A caller that gives up must not abort the operation half-way:
+		// the lease bounds it instead, and a retry replays its outcome.
+		ctx = context.WithoutCancel(ctx)
+	}
 	o.ctx, o.cancel = context.WithCancelCause(ctx)
 	g.owners.Add(1)
 	o.mu.Lock()
@@ -191,8 +196,13 @@ func (o *owner) call(f func(ctx context.Context) (Response, error), onPanic Disp
 			_ = o.settle(Response{}, onPanic)
 		}
 	}()
-	fctx, endRun := o.g.startPhase(context.WithValue(o.ctx, infoKey{}, info), PhaseRun,
-		PhaseStart{Scope: o.k.Scope, Attempt: c.Attempt, Token: c.Token})
+	fctx := context.WithValue(o.ctx, infoKey{}, info)
+	if d := o.g.opts.OperationTimeout; d > 0 {
+		var cancel context.CancelFunc
+		fctx, cancel = context.WithTimeout(fctx, d)
+		defer cancel()
+	}
+	fctx, endRun := o.g.startPhase(fctx, PhaseRun, PhaseStart{Scope: o.k.Scope, Attempt: c.Attempt, Token: c.Token})
 	defer func() {
 		if !returned {
 			endRun(errPanicked)
