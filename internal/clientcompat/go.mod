@@ -7,6 +7,7 @@ require (
 	github.com/idempotency-go/idempotency v0.0.0
 	github.com/redis/go-redis/v9 v9.23.0
 	github.com/stretchr/testify v1.12.1
+	github.com/stripe/stripe-go/v82 v82.5.1
 )
 
 require (
