@@ -319,7 +319,9 @@ func TestRetryableHTTPLostReply(t *testing.T) {
 // on one Redis, through links that lose requests and replies: each key's
 // charge runs once, and every client of a key gets that charge.
 func TestRetryableHTTPConcurrentDuplicates(t *testing.T) {
-	const keys, dups, faults = 12, 4, 8
+	// Each worker sends every key in turn, so the duplicates of a key are
+	// in flight together, and faults keep landing as the keys go by.
+	const workers, keys, faults = 8, 12, 8
 	r := testserver.StartRedis(t)
 	l := newLedger()
 	var links [2]*faultproxy.Proxy
@@ -332,15 +334,15 @@ func TestRetryableHTTPConcurrentDuplicates(t *testing.T) {
 	c.CheckRetry = retryConflicts
 	c.RetryMax = 10
 
-	// The first fault is armed before any request, so it cannot miss; the
-	// others are armed as traffic goes on, alternately losing the reply
-	// and the request.
+	// The first fault is armed before any request, so it cannot miss; each
+	// of the others once the one before it has cost a client a backoff,
+	// alternately losing a reply and a request, until the workers are done.
 	links[0].ResetOnNextRequest(true)
 	done := make(chan struct{})
 	var injector sync.WaitGroup
 	injector.Go(func() {
 		for i := 1; i < faults; i++ {
-			for before := rec.attempts.Load(); rec.attempts.Load() < before+keys; {
+			for len(rec.waits()) < i {
 				select {
 				case <-done:
 					return
@@ -352,17 +354,17 @@ func TestRetryableHTTPConcurrentDuplicates(t *testing.T) {
 	})
 
 	start := make(chan struct{})
-	var answers [keys][dups]answer
-	var errs [keys][dups]error
+	var answers [keys][workers]answer
+	var errs [keys][workers]error
 	var clients sync.WaitGroup
-	for k := range keys {
-		for d := range dups {
-			clients.Go(func() {
-				<-start
-				url := "http://" + links[(k+d)%2].Addr() + chargesPath
-				answers[k][d], errs[k][d] = post(c, url, fmt.Sprintf("dup-%d", k))
-			})
-		}
+	for w := range workers {
+		clients.Go(func() {
+			<-start
+			for k := range keys {
+				url := "http://" + links[(w+k)%2].Addr() + chargesPath
+				answers[k][w], errs[k][w] = post(c, url, fmt.Sprintf("dup-%d", k))
+			}
+		})
 	}
 	close(start)
 	clients.Wait()
@@ -373,9 +375,9 @@ func TestRetryableHTTPConcurrentDuplicates(t *testing.T) {
 		key := fmt.Sprintf("dup-%d", k)
 		assert.Equal(t, 1, l.ran(key), key)
 		executed := 0
-		for d := range dups {
-			require.NoError(t, errs[k][d], key)
-			a := answers[k][d]
+		for w := range workers {
+			require.NoError(t, errs[k][w], key)
+			a := answers[k][w]
 			assert.Equal(t, http.StatusCreated, a.status, key)
 			assert.Equal(t, answers[k][0].body, a.body, key)
 			if !a.replayed {
@@ -385,7 +387,8 @@ func TestRetryableHTTPConcurrentDuplicates(t *testing.T) {
 		assert.LessOrEqual(t, executed, 1, key)
 	}
 	assert.Equal(t, keys, l.made())
-	assert.Greater(t, rec.attempts.Load(), int64(keys*dups), "no fault fired")
+	assert.Greater(t, rec.attempts.Load(), int64(workers*keys), "no fault fired")
+	t.Logf("%d attempts for %d requests", rec.attempts.Load(), workers*keys)
 }
 
 // net/http's Transport, with no retrying client above it, sends a request
