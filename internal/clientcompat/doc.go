@@ -1,0 +1,16 @@
+// Package clientcompat holds no code, only tests: it checks the library's
+// middleware against the retry logic of real third-party HTTP clients,
+// go-retryablehttp and stripe-go, on a real Redis, so that what the README
+// says about those clients is what they do.
+//
+// The tests show which of the middleware's answers each client retries and
+// how long it waits (Retry-After on 503, 409 while the original runs), that
+// a retry carries the key the first attempt carried so that a reply lost
+// after the server acted runs the operation once and gets the stored answer,
+// that a request without a key runs twice under the same fault, and that
+// concurrent duplicates across two instances behind lossy links still run
+// once per key.
+//
+// It is a module of its own, so that the library's go.mod never requires
+// these clients.
+package clientcompat
