@@ -82,6 +82,14 @@ type MiddlewareOptions struct {
 	// (store unavailable, outcome not stored), in whole seconds rounded
 	// up, at least 1. Default 1s.
 	RetryAfter time.Duration
+	// ErrorBody, when set, writes the body of every error answer in the
+	// API's own error format: given the request and the problem, it returns
+	// the body and its Content-Type (sniffed, as net/http does, when
+	// empty). The status, Retry-After and
+	// Cache-Control: no-store stay the middleware's, so clients and
+	// proxies read them as they read the default. Default nil: the problem
+	// as application/problem+json.
+	ErrorBody func(r *http.Request, p Problem) (contentType string, body []byte)
 }
 
 func (o MiddlewareOptions) withDefaults() MiddlewareOptions {
@@ -149,8 +157,9 @@ func DefaultDisposition(status int) Disposition {
 // Flush does nothing until the outcome is stored, and Hijack fails. If the
 // handler panics, the key is released before the panic goes on.
 //
-// Errors are RFC 9457 problem details (application/problem+json, with
-// Cache-Control: no-store), each with its own type, the package
+// Errors are RFC 9457 problem details (application/problem+json, or the
+// API's own format with MiddlewareOptions.ErrorBody; always with
+// Cache-Control: no-store), each with its own Problem type, the package
 // documentation URL with one of these anchors:
 //
 //	#problem-missing-key      400  no Idempotency-Key and it is required
@@ -212,7 +221,7 @@ func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		t.rejected = true
 		h.g.report(r.Context(), k.Scope, &t, Result{}, err)
-		h.fail(w, err)
+		h.fail(w, r, err)
 		return
 	}
 	h.serve(w, r, &t, k, requestFingerprint(r, body, h.o.FingerprintHeaders), body)
@@ -327,7 +336,7 @@ func (h *guarded) serve(w http.ResponseWriter, r *http.Request, t *callState, k 
 			info.defaultTo(h.o.Disposition(resp.Status))
 			err := info.settleEarly(resp)
 			if err != nil {
-				h.fail(w, err)
+				h.fail(w, r, err)
 			}
 			return err
 		}
@@ -361,14 +370,14 @@ func (h *guarded) serve(w http.ResponseWriter, r *http.Request, t *callState, k 
 		if r.Context().Err() != nil {
 			// The client has gone: nobody reads the answer, and the error
 			// is its own doing, not the store's.
-			h.fail(w, errClientGone)
+			h.fail(w, r, errClientGone)
 			return
 		}
-		h.fail(w, err)
+		h.fail(w, r, err)
 	case rec.state != recording:
 		// Settled early and streamed, or answered with a problem already.
 	case err != nil:
-		h.fail(w, err)
+		h.fail(w, r, err)
 	default:
 		rec.send()
 	}
@@ -580,8 +589,12 @@ func sendHead(w http.ResponseWriter, status int, h http.Header, replayed bool) {
 	w.WriteHeader(status)
 }
 
-// problem is an RFC 9457 problem details object.
-type problem struct {
+// Problem is an error answer of the middleware, as an RFC 9457 problem
+// details object: Type is the package documentation URL with the anchor
+// that names the problem (see Guard.Middleware for the list), and Status
+// the HTTP status it is sent with. Detail never holds a store's error text,
+// which may name internal hosts.
+type Problem struct {
 	Type   string `json:"type"`
 	Title  string `json:"title"`
 	Status int    `json:"status"`
@@ -589,10 +602,10 @@ type problem struct {
 }
 
 // problemFor describes err to the client. Store failures are described
-// without their text, which may name internal hosts.
-func (h *guarded) problemFor(err error) problem {
-	p := func(anchor string, status int, title, detail string) problem {
-		return problem{Type: problemTypes + anchor, Title: title, Status: status, Detail: detail}
+// without their text.
+func problemFor(err error) Problem {
+	p := func(anchor string, status int, title, detail string) Problem {
+		return Problem{Type: problemTypes + anchor, Title: title, Status: status, Detail: detail}
 	}
 	var tooLarge bodyTooLargeError
 	switch {
@@ -630,12 +643,21 @@ func (h *guarded) problemFor(err error) problem {
 		"The outcome of this request could not be looked up or recorded; retry later with the same key.")
 }
 
-// fail answers err as a problem. 409 and 503 say when to retry.
-func (h *guarded) fail(w http.ResponseWriter, err error) {
-	p := h.problemFor(err)
-	body, _ := json.Marshal(p) // strings and an int: cannot fail
+// fail answers err as a problem, in the body ErrorBody shapes. 409 and 503
+// say when to retry.
+func (h *guarded) fail(w http.ResponseWriter, r *http.Request, err error) {
+	p := problemFor(err)
+	contentType := "application/problem+json"
+	var body []byte
+	if h.o.ErrorBody != nil {
+		if contentType, body = h.o.ErrorBody(r, p); contentType == "" {
+			contentType = http.DetectContentType(body)
+		}
+	} else {
+		body, _ = json.Marshal(p) // strings and an int: cannot fail
+	}
 	hd := w.Header()
-	hd.Set("Content-Type", "application/problem+json")
+	hd.Set("Content-Type", contentType)
 	hd.Set("Cache-Control", "no-store")
 	if p.Status == http.StatusConflict || p.Status == http.StatusServiceUnavailable {
 		hd.Set("Retry-After", h.retryAfter)

@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -1212,4 +1213,74 @@ func TestMiddlewareInvalidStatus(t *testing.T) {
 		assert.Equal(t, 202, serve(h, r).Code)
 		assert.Equal(t, int64(2), runs.Load())
 	})
+}
+
+// TestMiddlewareErrorBody: ErrorBody shapes the body of every error answer
+// (here, as a Stripe-shaped API would) from the request and the problem,
+// while the status, Retry-After and Cache-Control stay the middleware's.
+func TestMiddlewareErrorBody(t *testing.T) {
+	var seen []Problem
+	shape := func(r *http.Request, p Problem) (string, []byte) {
+		seen = append(seen, p)
+		if strings.HasSuffix(p.Type, "#problem-body-too-large") {
+			return "", []byte("too large") // sniffed
+		}
+		b, _ := json.Marshal(map[string]any{"error": map[string]string{
+			"type": "idempotency_error", "code": strings.TrimPrefix(p.Type, problemTypes), "message": p.Detail,
+			"request_path": r.URL.Path,
+		}})
+		return "application/json", b
+	}
+	entered, release := make(chan struct{}, 1), make(chan struct{})
+	h := New(NewMemoryStore(MemoryOptions{}), Options{WaitTimeout: -1}).Middleware(MiddlewareOptions{
+		ErrorBody: shape, RetryAfter: 3 * time.Second, MaxRequestBytes: 8,
+	})(blockingHandler(entered, release))
+	done := make(chan struct{})
+	go func() { serve(h, keyed("k", "a")); close(done) }()
+	<-entered
+
+	cases := []struct {
+		name   string
+		req    *http.Request
+		status int
+		code   string
+		retry  string
+	}{
+		{"InFlight", keyed("k", "a"), http.StatusConflict, "ErrInFlight", "3"},
+		{"MissingKey", httptest.NewRequest(http.MethodPost, "/charges", nil), http.StatusBadRequest, "problem-missing-key", ""},
+		{"InvalidKey", keyed("a b", "a"), http.StatusBadRequest, "ErrInvalidKey", ""},
+		{"TooLarge", keyed("big", "123456789"), http.StatusRequestEntityTooLarge, "problem-body-too-large", ""},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			rr := serve(h, c.req)
+			assert.Equal(t, c.status, rr.Code)
+			assert.Equal(t, c.retry, rr.Header().Get("Retry-After"))
+			assert.Equal(t, "no-store", rr.Header().Get("Cache-Control"))
+			p := seen[len(seen)-1]
+			assert.Equal(t, problemTypes+c.code, p.Type)
+			assert.Equal(t, c.status, p.Status)
+			if c.code == "problem-body-too-large" {
+				assert.Equal(t, "text/plain; charset=utf-8", rr.Header().Get("Content-Type"))
+				assert.Equal(t, "too large", rr.Body.String())
+				return
+			}
+			assert.Equal(t, "application/json", rr.Header().Get("Content-Type"))
+			var body struct{ Error map[string]string }
+			require.NoError(t, json.Unmarshal(rr.Body.Bytes(), &body), rr.Body.String())
+			assert.Equal(t, c.code, body.Error["code"])
+			assert.Equal(t, "/charges", body.Error["request_path"])
+			assert.Equal(t, p.Detail, body.Error["message"])
+		})
+	}
+	close(release)
+	<-done
+	// The default, for comparison: the same problem as problem+json.
+	rr := serve(New(NewMemoryStore(MemoryOptions{}), Options{}).Middleware(MiddlewareOptions{})(http.NotFoundHandler()),
+		httptest.NewRequest(http.MethodPost, "/charges", nil))
+	assert.Equal(t, "application/problem+json", rr.Header().Get("Content-Type"))
+	var p Problem
+	require.NoError(t, json.Unmarshal(rr.Body.Bytes(), &p))
+	assert.Equal(t, Problem{Type: problemTypes + "problem-missing-key", Title: "Idempotency-Key required", Status: 400,
+		Detail: "This request must carry an Idempotency-Key header."}, p)
 }
