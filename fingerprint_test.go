@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"math/rand/v2"
 	"net/http/httptest"
+	"net/url"
+	"slices"
 	"strings"
 	"testing"
 
@@ -69,10 +71,86 @@ func TestFingerprintRawBodies(t *testing.T) {
 	assert.Equal(t, fp("application/json", `{"a":1,`), fp("application/json", `{"a":1,`))
 	// A raw body can never pass for the canonical form of another.
 	assert.NotEqual(t, fp("text/plain", `{"a":1}`), fp("application/json", `{"a":1}`))
+	// multipart/form-data counts byte for byte: its boundary is part of it.
+	assert.NotEqual(t, fp("multipart/form-data; boundary=x", "--x\r\n\r\na\r\n--x--"), fp("multipart/form-data; boundary=y", "--y\r\n\r\na\r\n--y--"))
 	// So does JSON nested deeper than the canonicaliser accepts.
 	nested := func(depth int) string { return strings.Repeat("[", depth) + strings.Repeat("]", depth) }
 	assert.Equal(t, fp("application/json", nested(canonjson.MaxDepth)), fp("application/json", nested(canonjson.MaxDepth)+" "))
 	assert.NotEqual(t, fp("application/json", nested(canonjson.MaxDepth+1)), fp("application/json", nested(canonjson.MaxDepth+1)+" "))
+}
+
+func formRequest(body string) Fingerprint {
+	r := httptest.NewRequest("POST", "/v1/charges", strings.NewReader(body))
+	r.Header.Set("Content-Type", "application/x-www-form-urlencoded; charset=utf-8")
+	return requestFingerprint(r, []byte(body), nil)
+}
+
+func TestFingerprintForm(t *testing.T) {
+	// Stripe's own body format: a client that orders its fields otherwise
+	// on a retry, or escapes them otherwise, sends the same request.
+	want := formRequest("amount=2000&currency=usd&metadata[order_id]=6735&expand[]=customer&expand[]=invoice")
+	for _, body := range []string{
+		"currency=usd&amount=2000&expand[]=customer&metadata[order_id]=6735&expand[]=invoice",
+		"expand%5B%5D=customer&metadata%5Border_id%5D=6735&expand%5B%5D=invoice&amount=2000&currency=usd",
+		"&amount=2000&&currency=usd&metadata[order_id]=6735&expand[]=customer&expand[]=invoice&",
+		"amount=%32000&currency=%75sd&metadata[order_id]=6735&expand[]=customer&expand[]=invoice",
+	} {
+		assert.Equal(t, want, formRequest(body), "%s", body)
+	}
+	for _, body := range []string{
+		// A repeated field's values are a list: their order counts.
+		"amount=2000&currency=usd&metadata[order_id]=6735&expand[]=invoice&expand[]=customer",
+		"amount=2001&currency=usd&metadata[order_id]=6735&expand[]=customer&expand[]=invoice",
+		"amount=2000&currency=usd&metadata[order_id]=6735&expand[]=customer",
+		"amount=2000&currency=usd&metadata[order_id]=6735&expand[]=customer&expand[]=invoice&expand[]=",
+		"amount=2000&currency=usd&metadata[order_id]=6735&expand[]=customer&expand[]=invoice&amount=2000",
+	} {
+		assert.NotEqual(t, want, formRequest(body), "%s", body)
+	}
+	assert.Equal(t, formRequest("a=x+y"), formRequest("a=x%20y"), "'+' is a space in a form")
+	assert.Equal(t, formRequest("a"), formRequest("a="), "a field without '=' has the empty value")
+	// The length prefixes keep names and values apart.
+	assert.NotEqual(t, formRequest("a=b%3Dc"), formRequest("a%3Db=c"))
+	assert.NotEqual(t, formRequest("a=b%26c=d"), formRequest("a=b&c=d"))
+	// A body that is not a form is hashed raw, and so never equals a form.
+	assert.Equal(t, formRequest("a=%zz&b=1"), formRequest("a=%zz&b=1"))
+	assert.NotEqual(t, formRequest("a=%zz&b=1"), formRequest("b=1&a=%zz"))
+	r := httptest.NewRequest("POST", "/v1/charges", strings.NewReader("a=1"))
+	assert.NotEqual(t, formRequest("a=1"), requestFingerprint(r, []byte("a=1"), nil), "a form counts as what its type says")
+}
+
+// FuzzFingerprintForm: any order of a form's fields that keeps the order of
+// each name's values gives the same fingerprint; a changed value does not.
+func FuzzFingerprintForm(f *testing.F) {
+	f.Add("amount=2000&currency=usd&expand[]=a&expand[]=b", uint64(1))
+	f.Add("a=1&b=%20&a=2&c&=x", uint64(7))
+	f.Fuzz(func(t *testing.T, body string, seed uint64) {
+		fields, ok := parseQuery([]byte(body))
+		if !ok || len(fields) == 0 {
+			return
+		}
+		// Shuffle, then put each name's values back in their order.
+		shuffled := slices.Clone(fields)
+		rand.New(rand.NewPCG(seed, seed)).Shuffle(len(shuffled), func(i, j int) { shuffled[i], shuffled[j] = shuffled[j], shuffled[i] })
+		next := map[string][]string{}
+		for _, kv := range fields {
+			next[kv[0]] = append(next[kv[0]], kv[1])
+		}
+		var out []string
+		for _, kv := range shuffled {
+			v := next[kv[0]][0]
+			next[kv[0]] = next[kv[0]][1:]
+			out = append(out, url.QueryEscape(kv[0])+"="+url.QueryEscape(v))
+		}
+		want := formRequest(body)
+		if got := formRequest(strings.Join(out, "&")); got != want {
+			t.Fatalf("%q and its reordering %q differ", body, strings.Join(out, "&"))
+		}
+		out[0] += "x"
+		if formRequest(strings.Join(out, "&")) == want {
+			t.Fatalf("%q: a changed value kept the fingerprint", body)
+		}
+	})
 }
 
 func TestFingerprintHeaders(t *testing.T) {
