@@ -6,10 +6,14 @@
 // On the server, UnaryServerInterceptor runs each guarded call that carries
 // an idempotency-key through idempotency.Guard.Do, under the key (Scope, the
 // metadata value) and the fingerprint of the method's full name and the
-// request message, deterministically marshalled:
+// request message, deterministically marshalled. On the client,
+// UnaryClientInterceptor gives each logical call one key and retries it with
+// that key:
 //
 //	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(
 //		idempotencygrpc.UnaryServerInterceptor(guard, idempotencygrpc.ServerOptions{})))
+//	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+//		grpc.WithChainUnaryInterceptor(idempotencygrpc.UnaryClientInterceptor(idempotencygrpc.ClientOptions{})))
 //
 // # What is stored
 //
@@ -67,9 +71,20 @@
 // (ServerOptions.RetryAfter): grpc-go's built-in retry policy, when the
 // client's service config lists the code as retryable, waits that long
 // instead of its own backoff.
+//
+// # Clients
+//
+// UnaryClientInterceptor keeps an idempotency-key that the caller put in the
+// outgoing metadata, or makes one, and retries on Unavailable and Aborted
+// with that key, with the backoff of its idempotency.RetryPolicy, until the
+// policy's attempts are spent or the context is done. grpc-go's own retries
+// (a retryPolicy in the service config, and its transparent retries of
+// calls that never reached a server) happen inside the invoker this
+// interceptor calls, with the same outgoing metadata: they reuse the key
+// too. Both layers retrying multiply the attempts: configure one.
 package idempotencygrpc
 
-// Metadata keys the interceptor reads and writes.
+// Metadata keys the interceptors read and write.
 const (
 	// MetadataKey carries the client's idempotency key, once.
 	MetadataKey = "idempotency-key"
