@@ -486,6 +486,22 @@ func SetDisposition(ctx context.Context, d Disposition) bool {
 	return true
 }
 
+// SetDefaultDisposition chooses d for the operation in ctx unless it chose
+// for itself with SetDisposition. It is for the adapter of a transport
+// that maps an operation's outcome (an HTTP status, a gRPC code) to a
+// Disposition after the operation returned, as the middleware does, so
+// that the operation's own choice still wins. It reports false, and
+// changes nothing, when ctx carries no operation or d is not Keep,
+// Release, Forget or Settled.
+func SetDefaultDisposition(ctx context.Context, d Disposition) bool {
+	i, ok := FromContext(ctx)
+	if !ok || d < Keep || d > Settled {
+		return false
+	}
+	i.defaultTo(d)
+	return true
+}
+
 // defaultTo chooses d unless the operation chose for itself.
 func (i *Info) defaultTo(d Disposition) {
 	i.mu.Lock()

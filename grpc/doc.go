@@ -29,10 +29,8 @@
 // sets reach the caller that ran it only; they are not stored.
 //
 // What becomes of the record follows the handler's code (see
-// DefaultDisposition and ServerOptions.Disposition). A handler's own
-// idempotency.SetDisposition stands where that policy keeps its code; where
-// the policy releases or forgets, the policy wins, so keep an error outcome
-// through ServerOptions.Disposition instead.
+// DefaultDisposition and ServerOptions.Disposition), unless the handler
+// chose for itself with idempotency.SetDisposition: its choice wins.
 //
 // # Codes
 //

@@ -221,10 +221,7 @@ func outputType(fullMethod string) (protoreflect.MessageType, error) {
 // error, which releases the key.
 func (s *server) outcome(ctx context.Context, resp any, herr error) (idempotency.Response, error) {
 	st := handlerStatus(herr)
-	if d := s.o.Disposition(st.Code()); d != idempotency.Keep {
-		// Keep is already the default: a handler's own choice stands then.
-		idempotency.SetDisposition(ctx, d)
-	}
+	idempotency.SetDefaultDisposition(ctx, s.o.Disposition(st.Code()))
 	if herr != nil {
 		body, err := proto.Marshal(st.Proto())
 		if err != nil {

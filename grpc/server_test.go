@@ -256,6 +256,19 @@ func TestDispositions(t *testing.T) {
 		}
 		assert.Equal(t, int64(2), svc.runs.Load())
 	})
+	t.Run("a handler's choice stands where the policy forgets", func(t *testing.T) {
+		svc := &payments{charge: func(ctx context.Context, run int64, in *structpb.Struct) (*structpb.Struct, error) {
+			require.True(t, idempotency.SetDisposition(ctx, idempotency.Keep))
+			return nil, status.Error(codes.FailedPrecondition, "card declined")
+		}}
+		inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{}, svc)
+		for i, in := range inst {
+			_, md, err := charge(t.Context(), dial(t, in.addr), amount(4200), "k-declined")
+			require.Equal(t, codes.FailedPrecondition, status.Code(err))
+			assert.Equal(t, i == 1, replayed(md), "the kept decline is replayed")
+		}
+		assert.Equal(t, int64(1), svc.runs.Load())
+	})
 	t.Run("a policy of one's own", func(t *testing.T) {
 		svc := &payments{charge: func(context.Context, int64, *structpb.Struct) (*structpb.Struct, error) {
 			return nil, status.Error(codes.FailedPrecondition, "card declined")
