@@ -51,5 +51,7 @@ func (p RetryPolicy) Backoff(attempt int) time.Duration {
 	if shift := attempt - 1; shift < 62 && p.BaseDelay <= p.MaxDelay>>shift {
 		bound = p.BaseDelay << shift
 	}
-	return rand.N(bound + 1)
+	// In uint64, bound+1 cannot overflow, even for a MaxDelay of
+	// math.MaxInt64 (a client that honours any Retry-After).
+	return time.Duration(rand.Uint64N(uint64(bound) + 1))
 }
