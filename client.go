@@ -82,6 +82,8 @@ const discardLimit = 4 << 10
 // key from crypto/rand.Text: at least 128 random bits in the RFC 4648
 // base32 alphabet (26 characters today). Every attempt carries that same
 // key. Another request is passed to Base once, untouched: no key, no retry.
+// A caller that also retries on its own, across RoundTrips (a job run again
+// tomorrow), sets the key itself, so that all its attempts share it.
 //
 // An attempt is retried, up to Retry.MaxAttempts attempts in all, when:
 //   - Base returned an error and the request's context has not ended (a
