@@ -827,7 +827,9 @@ func TestMiddlewareLeaseLost(t *testing.T) {
 	eachStore(t, func(t *testing.T, newStore func(*testing.T) Store) {
 		s := &faultStore{Store: newStore(t), hook: failOn(ErrFenced, "heartbeat")}
 		cause := make(chan error, 1)
-		h := New(s, Options{Lease: 30 * time.Millisecond}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		// A lease long enough that a slow claim on a loaded machine is
+		// still confirmed in time: the first renewal, at Lease/3, is refused.
+		h := New(s, Options{Lease: 300 * time.Millisecond}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			select {
 			case <-r.Context().Done():
 				cause <- context.Cause(r.Context())
@@ -838,6 +840,7 @@ func TestMiddlewareLeaseLost(t *testing.T) {
 			_, _ = io.WriteString(w, "charged anyway")
 		}))
 		rr := serve(h, keyed("k", "a"))
+		require.Len(t, cause, 1, "the handler did not run: %d %s", rr.Code, rr.Body)
 		assert.ErrorIs(t, <-cause, ErrFenced)
 		assert.Equal(t, 503, rr.Code)
 		assert.Equal(t, retryHeader, rr.Header())
