@@ -383,24 +383,7 @@ func TestTransportStopsOnContext(t *testing.T) {
 			return resp, err
 		})
 		tr := &idempotency.Transport{Base: base, Retry: idempotency.RetryPolicy{MaxDelay: 2 * time.Hour}}
-		ctx, cancel := context.WithCancel(t.Context())
-		req := newRequest(t, http.MethodPost, s.url, "charge").WithContext(ctx)
-		done := make(chan error, 1)
-		go func() {
-			resp, err := tr.RoundTrip(req)
-			if resp != nil {
-				resp.Body.Close()
-			}
-			done <- err
-		}()
-		<-answered
-		cancel()
-		select {
-		case err := <-done:
-			require.ErrorIs(t, err, context.Canceled)
-		case <-time.After(hangGuard):
-			t.Fatal("RoundTrip still waiting after its context was cancelled")
-		}
+		cancelDuring(t, tr, s.url, answered)
 		assert.Len(t, s.attempts(), 1)
 	})
 	t.Run("during an attempt", func(t *testing.T) {
@@ -415,26 +398,34 @@ func TestTransportStopsOnContext(t *testing.T) {
 		}))
 		t.Cleanup(srv.Close)
 		tr := &idempotency.Transport{Base: newBase(t, false), Retry: fast}
-		ctx, cancel := context.WithCancel(t.Context())
-		req := newRequest(t, http.MethodPost, srv.URL, "charge").WithContext(ctx)
-		done := make(chan error, 1)
-		go func() {
-			resp, err := tr.RoundTrip(req)
-			if resp != nil {
-				resp.Body.Close()
-			}
-			done <- err
-		}()
-		<-arrived
-		cancel()
-		select {
-		case err := <-done:
-			require.ErrorIs(t, err, context.Canceled)
-		case <-time.After(hangGuard):
-			t.Fatal("RoundTrip still running after its context was cancelled")
-		}
+		cancelDuring(t, tr, srv.URL, arrived)
 		assert.Equal(t, int32(1), attempts.Load())
 	})
+}
+
+// cancelDuring sends a POST to url through tr, cancels its context once
+// reached fires, and checks that RoundTrip then returns the context's error
+// rather than going on.
+func cancelDuring(t *testing.T, tr *idempotency.Transport, url string, reached <-chan struct{}) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(t.Context())
+	req := newRequest(t, http.MethodPost, url, "charge").WithContext(ctx)
+	done := make(chan error, 1)
+	go func() {
+		resp, err := tr.RoundTrip(req)
+		if resp != nil {
+			resp.Body.Close()
+		}
+		done <- err
+	}()
+	<-reached
+	cancel()
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, context.Canceled)
+	case <-time.After(hangGuard):
+		t.Fatal("RoundTrip still going after its context was cancelled")
+	}
 }
 
 func TestTransportLeavesRequestAlone(t *testing.T) {
