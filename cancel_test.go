@@ -30,7 +30,8 @@ func TestOperationOutlivesClient(t *testing.T) {
 				finish := make(chan struct{})
 				ended := make(chan error, 2) // the handler's context's cause when it returned
 				g := New(newStore(t), Options{CancelWithCaller: withCaller})
-				srv := httptest.NewServer(g.Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				clientGone := make(chan (<-chan struct{}), 2) // each request's own net/http context
+				guarded := g.Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 					n := runs.Add(1)
 					started <- struct{}{}
 					if n == 1 {
@@ -46,7 +47,11 @@ func TestOperationOutlivesClient(t *testing.T) {
 					}
 					w.WriteHeader(http.StatusCreated)
 					io.WriteString(w, "charged")
-				})))
+				}))
+				srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					clientGone <- r.Context().Done()
+					guarded.ServeHTTP(w, r)
+				}))
 				t.Cleanup(srv.Close)
 
 				post := func(ctx context.Context) (*http.Response, error) {
@@ -69,8 +74,9 @@ func TestOperationOutlivesClient(t *testing.T) {
 				giveUp()
 				require.ErrorIs(t, <-first, context.Canceled)
 				if !withCaller {
-					// Let the handler see the disconnect if it were to.
-					time.Sleep(50 * time.Millisecond)
+					// Only once net/http has seen the client go, so that
+					// the handler would have been cancelled by now.
+					<-<-clientGone
 					close(finish)
 				}
 				cause := <-ended
