@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"testing"
 
 	"github.com/alicebob/miniredis/v2"
@@ -104,6 +105,27 @@ func BenchmarkRedisClaim(b *testing.B) {
 	})
 	b.Run("redis-server", func(b *testing.B) { replay(b, testserver.StartRedis(b).Client(), false) })
 	b.Run("redis-server-parallel", func(b *testing.B) { replay(b, testserver.StartRedis(b).Client(), true) })
+}
+
+// BenchmarkRedisNewOperation is Guard.Do on a fresh key each time, on
+// redis-server: the claim script, the operation, the complete script.
+func BenchmarkRedisNewOperation(b *testing.B) {
+	s, err := NewRedisStore(testserver.StartRedis(b).Client(), RedisOptions{})
+	require.NoError(b, err)
+	b.Cleanup(func() { s.Close() })
+	g := New(s, Options{})
+	fp := FingerprintOf("charge", benchBody())
+	resp := benchResponse()
+	fn := func(context.Context) (Response, error) { return resp, nil }
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		i++
+		r, err := g.Do(context.Background(), Key{Name: "new-" + strconv.Itoa(i)}, fp, fn)
+		if err != nil || r.Replayed {
+			b.Fatalf("new operation: %v, replayed %v", err, r.Replayed)
+		}
+	}
 }
 
 // BenchmarkMiddlewareReplay is a replayed request through the middleware on

@@ -32,8 +32,9 @@ type owner struct {
 	g      *Guard
 	k      Key
 	c      Claim
-	ctx    context.Context // the lease's: every call the owner runs derives from it
+	ctx    context.Context // the lease's: the operation runs in it
 	cancel context.CancelCauseFunc
+	calls  context.Context // ctx's values without its end: the store calls' parent
 
 	mu       sync.Mutex
 	deadline time.Time     // sent + Lease - margin of the last confirmed claim or renewal
@@ -83,10 +84,13 @@ func (g *Guard) own(ctx context.Context, k Key, c Claim, sent time.Time) (*owner
 		}()
 		return nil, fmt.Errorf("%w: %w, %v after it was sent", ErrUnavailable, errLateClaim, now.Sub(sent).Round(time.Millisecond))
 	}
+	// The store calls made for the owner outlive the operation's context,
+	// which ends first; they keep its values.
+	o.calls = context.WithoutCancel(ctx)
 	if !g.opts.CancelWithCaller {
 		// A caller that gives up must not abort the operation half-way:
 		// the lease bounds it instead, and a retry replays its outcome.
-		ctx = context.WithoutCancel(ctx)
+		ctx = o.calls
 	}
 	o.ctx, o.cancel = context.WithCancelCause(ctx)
 	g.owners.Add(1)
@@ -235,7 +239,7 @@ func (o *owner) settle(resp Response, d Disposition) error {
 	if lost != nil {
 		return lost
 	}
-	ctx, cancel := context.WithDeadline(context.WithoutCancel(o.ctx), deadline)
+	ctx, cancel := context.WithDeadline(o.calls, deadline)
 	defer cancel()
 	ctx, endSettle := o.g.startPhase(ctx, PhaseSettle, PhaseStart{Scope: o.k.Scope, Attempt: o.c.Attempt, Token: o.c.Token})
 	done := make(chan error, 1)
@@ -378,7 +382,7 @@ func (o *owner) armLocked(now time.Time) {
 // next renewal may get through.
 func (o *owner) renew(sent, deadline time.Time) {
 	lease := o.g.opts.Lease
-	ctx, cancel := context.WithDeadline(context.WithoutCancel(o.ctx), deadline)
+	ctx, cancel := context.WithDeadline(o.calls, deadline)
 	defer cancel()
 	err := o.g.store.Heartbeat(ctx, o.k, o.c.Token, lease)
 	if o.g.opts.Observer != nil {

@@ -427,8 +427,10 @@ func (s *RedisStore) releaseArgs(k Key, token uint64, forget bool) []any {
 	return append(s.scripts.release.args("2", 5), rec, bk.leases, strconv.FormatUint(token, 10), luaBool(forget), s.publish)
 }
 
-// luaBool is a flag as the scripts read and write them.
-func luaBool(b bool) string {
+// luaBool is a flag as the scripts read and write them, boxed as a script
+// argument: a constant in an interface costs no allocation, where a string
+// returned and then boxed would cost one per call.
+func luaBool(b bool) any {
 	if b {
 		return "1"
 	}
