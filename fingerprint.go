@@ -23,10 +23,10 @@ type Fingerprint [sha256.Size]byte
 // whitespace and the form of numbers do not matter; any other payload counts
 // byte for byte.
 func FingerprintOf(operation string, payload []byte) Fingerprint {
-	h := sha256.New()
-	writeField(h, operation)
-	writeBody(h, payload, canonicalJSON)
-	return sum(h)
+	h := newHasher()
+	h.field(operation)
+	h.body(payload, canonicalJSON)
+	return h.sum()
 }
 
 // requestFingerprint fingerprints an HTTP request: its method, its path, its
@@ -34,19 +34,19 @@ func FingerprintOf(operation string, payload []byte) Fingerprint {
 // headers. Every field is length-prefixed, so no two different requests can
 // produce the same hash input.
 func requestFingerprint(r *http.Request, body []byte, headers []string) Fingerprint {
-	h := sha256.New()
-	writeField(h, r.Method)
-	writeField(h, r.URL.EscapedPath())
-	writeBody(h, body, bodyForm(r.Header.Get("Content-Type")))
+	h := newHasher()
+	h.field(r.Method)
+	h.field(r.URL.EscapedPath())
+	h.body(body, bodyForm(r.Header.Get("Content-Type")))
 	for _, name := range headers {
-		writeField(h, http.CanonicalHeaderKey(name))
+		h.field(http.CanonicalHeaderKey(name))
 		vs := r.Header.Values(name)
-		writeLen(h, len(vs))
+		h.len(len(vs))
 		for _, v := range vs {
-			writeField(h, v)
+			h.field(v)
 		}
 	}
-	return sum(h)
+	return h.sum()
 }
 
 // form is how a body is fingerprinted.
@@ -79,30 +79,27 @@ func bodyForm(contentType string) form {
 	return raw
 }
 
-// writeBody hashes body in form f, or raw when it does not parse as f.
-func writeBody(h hash.Hash, body []byte, f form) {
+// body hashes body in form f, or raw when it does not parse as f.
+func (h *hasher) body(body []byte, f form) {
 	switch f {
 	case canonicalJSON:
 		if c, err := canonjson.Append(nil, body); err == nil {
-			h.Write([]byte{byte(f)})
-			writeLen(h, len(c))
-			h.Write(c)
+			h.tagged(f, len(c))
+			h.h.Write(c)
 			return
 		}
 	case canonicalQuery:
 		if fields, ok := parseQuery(body); ok {
-			h.Write([]byte{byte(f)})
-			writeLen(h, len(fields))
+			h.tagged(f, len(fields))
 			for _, kv := range fields {
-				writeField(h, kv[0])
-				writeField(h, kv[1])
+				h.field(kv[0])
+				h.field(kv[1])
 			}
 			return
 		}
 	}
-	h.Write([]byte{byte(raw)})
-	writeLen(h, len(body))
-	h.Write(body)
+	h.tagged(raw, len(body))
+	h.h.Write(body)
 }
 
 // parseQuery decodes a URL-encoded form into its name-value pairs, sorted
@@ -131,17 +128,39 @@ func parseQuery(body []byte) ([][2]string, bool) {
 	return fields, true
 }
 
-func writeField(h hash.Hash, s string) {
-	writeLen(h, len(s))
-	h.Write([]byte(s))
+// hasher writes the length-prefixed fields of a fingerprint to SHA-256
+// through a buffer of its own. It buys four allocations per fingerprint
+// (BenchmarkFingerprint): a slice of a local array, or a string converted
+// to bytes, would each be copied to the heap on its way through the
+// hash.Hash interface.
+type hasher struct {
+	h   hash.Hash
+	buf [64]byte
 }
 
-func writeLen(h hash.Hash, n int) {
-	var b [binary.MaxVarintLen64]byte
-	h.Write(b[:binary.PutUvarint(b[:], uint64(n))])
+func newHasher() *hasher { return &hasher{h: sha256.New()} }
+
+func (h *hasher) len(n int) {
+	h.h.Write(h.buf[:binary.PutUvarint(h.buf[:], uint64(n))])
 }
 
-func sum(h hash.Hash) (f Fingerprint) {
-	h.Sum(f[:0])
+func (h *hasher) field(s string) {
+	h.len(len(s))
+	for len(s) > 0 {
+		n := copy(h.buf[:], s)
+		h.h.Write(h.buf[:n])
+		s = s[n:]
+	}
+}
+
+// tagged starts a body in form f, n long.
+func (h *hasher) tagged(f form, n int) {
+	h.buf[0] = byte(f)
+	h.h.Write(h.buf[:1])
+	h.len(n)
+}
+
+func (h *hasher) sum() (f Fingerprint) {
+	h.h.Sum(f[:0])
 	return f
 }
