@@ -585,11 +585,14 @@ func copyTrailers(dst, src http.Header) {
 }
 
 // sendHead writes a response's status and header fields to w. They replace
-// fields of the same name that outer middleware may have set.
+// fields of the same name that outer middleware may have set. The values
+// are handed over, not copied: h is this request's own (a replay's, read
+// from the store for it, or the recorder's, copied at WriteHeader), and
+// nothing reads it once sent.
 func sendHead(w http.ResponseWriter, status int, h http.Header, replayed bool) {
 	dst := w.Header()
 	for name, vs := range h {
-		dst[name] = slices.Clone(vs)
+		dst[name] = vs
 	}
 	if replayed {
 		dst.Set(HeaderReplayed, "true")
