@@ -535,13 +535,16 @@ func setContentType(h http.Header, body, more []byte) {
 
 // storedHeader returns the header fields of h that may be replayed: not
 // those meant for one client (Set-Cookie), one connection (hop-by-hop
-// fields and those Connection names) or one moment (Date).
+// fields and those Connection names) or one moment (Date). The values are
+// h's own: h is the recorder's copy taken at WriteHeader, which the
+// handler no longer reaches, and a store keeps its own copy of what it
+// stores.
 func storedHeader(h http.Header) http.Header {
 	connection := h.Values("Connection")
 	out := make(http.Header, len(h))
 	for name, vs := range h {
 		if !notStored(http.CanonicalHeaderKey(name), connection) {
-			out[name] = slices.Clone(vs)
+			out[name] = vs
 		}
 	}
 	return out

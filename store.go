@@ -31,7 +31,9 @@ type Store interface {
 	Claim(ctx context.Context, req ClaimRequest) (Claim, error)
 	// Complete stores resp as the record's outcome and keeps it for
 	// retention, if token is the current owner's; otherwise it returns
-	// ErrFenced and changes nothing.
+	// ErrFenced and changes nothing. resp's header and body are the
+	// caller's once Complete returns: a store that keeps them in memory
+	// keeps a copy.
 	Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error
 	// Release ends the current owner's attempt without an outcome, if token
 	// is the current owner's (ErrFenced otherwise): the next claim takes
