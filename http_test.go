@@ -1166,6 +1166,35 @@ func TestParseKey(t *testing.T) {
 	}
 }
 
+// FuzzParseKey: any field value parses or fails with ErrInvalidKey, never
+// panics; a bare key comes back trimmed and unchanged, and a key parsed from
+// an sf-string, written as one again, parses back to itself.
+func FuzzParseKey(f *testing.F) {
+	for _, seed := range []string{`abc`, `"abc"`, ` "a\"b\\c"	`, `"`, `"abc"x`, "\"a\x00\"", `"abc";a=1`, ``} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, v string) {
+		key, err := parseKey(v)
+		if err != nil {
+			if !errors.Is(err, ErrInvalidKey) {
+				t.Fatalf("parseKey(%q): %v, want ErrInvalidKey", v, err)
+			}
+			return
+		}
+		trimmed := strings.Trim(v, " \t")
+		if !strings.HasPrefix(trimmed, `"`) {
+			if key != trimmed {
+				t.Fatalf("parseKey(%q) = %q, want the bare key %q", v, key, trimmed)
+			}
+			return
+		}
+		quoted := `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(key) + `"`
+		if again, err := parseKey(quoted); err != nil || again != key {
+			t.Fatalf("parseKey(%q) = %q, written as %s it parses to %q, %v", v, key, quoted, again, err)
+		}
+	})
+}
+
 func TestDefaultDisposition(t *testing.T) {
 	for status, want := range map[int]Disposition{
 		200: Keep, 201: Keep, 204: Keep, 302: Keep, 401: Keep, 402: Keep, 403: Keep, 404: Keep, 410: Keep,

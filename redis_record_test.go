@@ -116,3 +116,39 @@ func TestRecordLayout(t *testing.T) {
 		assert.Equal(t, Claim{State: Completed, OperationID: "op-1", Response: resp}, got)
 	})
 }
+
+// FuzzCompletedClaim: a claim reply read as a completed record, whatever its
+// bytes (a value another program wrote under a record's key, one truncated,
+// one from another version), is an error or a claim cut from those bytes:
+// never a panic. A record the layout describes reads back as it was made.
+func FuzzCompletedClaim(f *testing.F) {
+	made := func(op string, status int, body string) string {
+		rec := string(recordCompleted) + strings.Repeat("f", len(Fingerprint{})) + string(rune(len(op))) + op
+		return string(wire.AppendResponse([]byte(rec), status, map[string][]string{"Content-Type": {"application/json"}}, []byte(body)))
+	}
+	f.Add("op_1", 201, `{"id":"ch_1"}`, 0)
+	f.Add("op_A2345678901234567890123456", 200, "", 3)
+	f.Add("o", 599, "\x00\xff", 40)
+	f.Fuzz(func(t *testing.T, op string, status int, body string, cut int) {
+		if len(op) == 0 || len(op) > 127 || status < 100 || status > 999 {
+			return // not what a Complete writes; the cut bytes below still are tried
+		}
+		rec := made(op, status, body)
+		c, err := completedClaim(rec)
+		if err != nil {
+			t.Fatalf("a record as Complete writes it: %v", err)
+		}
+		if c.State != Completed || c.OperationID != op || c.Response.Status != status || string(c.Response.Body) != body ||
+			c.Response.Header.Get("Content-Type") != "application/json" {
+			t.Fatalf("read back %+v, want op %q, status %d, body %q", c, op, status, body)
+		}
+		// Any prefix, and any single byte changed: an error or a claim, no
+		// panic, and never a body longer than the bytes after the head.
+		cut = max(cut, 0) % (len(rec) + 1)
+		for _, v := range []string{rec[:cut], rec[:cut] + "\xff" + rec[min(cut+1, len(rec)):]} {
+			if c, err := completedClaim(v); err == nil && len(c.Response.Body) > len(v) {
+				t.Fatalf("%q: a body of %d bytes from %d bytes", v, len(c.Response.Body), len(v))
+			}
+		}
+	})
+}
