@@ -1,0 +1,282 @@
+package linearizable
+
+import (
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/anishathalye/porcupine"
+
+	"github.com/idempotency-go/idempotency"
+)
+
+// The model is the state machine of one record as the Store interface states
+// it (store.go), written as a sequential specification for porcupine. Each
+// key's calls are checked on their own, against a record that starts absent:
+// linearizability is compositional, so a history is linearizable if each
+// key's is.
+//
+// Time. A store judges leases by its own clock, which the checker cannot
+// read. Each call carries the window in which the store can have served it,
+// [from, to]: the call's start and return on this process's monotonic clock,
+// widened on both sides by Options.Skew for the store's clock granularity
+// (Redis counts whole milliseconds) and drift. The clocks' offset cancels
+// out, since a lease is only ever compared with a later time of the same
+// clock, so the model keeps a lease's end as bounds [leaseFrom, leaseTo] on
+// this process's clock and accepts an answer if it is right for some store
+// time in the call's window. The model does not require the store's times
+// to grow from one call to the next in the order it picks: that makes it
+// more lenient, never stricter.
+//
+// Unknown outcomes. A call that fails with ErrUnavailable may or may not have
+// taken effect, at any time after it started: its window has no end (never),
+// and the model lets it leave the record unchanged or as if it had taken
+// effect, with any answer. A claim that may have made an owner whose token
+// no caller learnt leaves token 0, which every owner's call is fenced by.
+//
+// Left out: retention (Check uses one that outlasts the history), Watch and
+// Subscribe (wake-ups are a liveness matter), and Abandoned, which lists
+// records across keys.
+
+// never is the end of the window of a call whose outcome is unknown. It is far
+// enough from math.MaxInt64 that adding a lease cannot overflow.
+const never = math.MaxInt64 / 4
+
+type verb uint8
+
+const (
+	claim verb = iota + 1
+	complete
+	release
+	forget
+	heartbeat
+	abandon
+)
+
+var verbs = [...]string{claim: "claim", complete: "complete", release: "release",
+	forget: "forget", heartbeat: "heartbeat", abandon: "abandon"}
+
+func (v verb) String() string { return verbs[v] }
+
+type phase uint8
+
+const (
+	absent phase = iota
+	inFlight
+	released
+	completed
+)
+
+// record is the model's state of one record. It is a comparable value:
+// porcupine keeps the states it explores and merges equal ones with ==.
+type record struct {
+	phase   phase
+	fp      byte   // the fingerprint's label, 'A' or 'B'
+	opID    string // from the claim that made the record
+	attempt int
+	// token is the owner's, or 0 when no caller learnt it: the claim that
+	// made it failed with ErrUnavailable.
+	token uint64
+	// last is the greatest token a caller was given for this key: a new one
+	// must be greater. It survives Forget, as tokens only grow per key.
+	last uint64
+	// leaseFrom and leaseTo bound the end of the owner's lease.
+	leaseFrom, leaseTo int64
+	resp               string // completed: the stored response, as describe writes it
+}
+
+// input is one store call.
+type input struct {
+	verb verb
+	key  string // the record's partition
+	// from and to bound the store's clock when it served the call; to is
+	// never when its outcome is unknown.
+	from, to int64
+	fp       byte   // claim
+	opID     string // claim
+	lease    int64  // claim, heartbeat
+	token    uint64 // the owner's calls
+	resp     string // complete
+}
+
+// output is a call's answer.
+type output struct {
+	unknown bool // it failed with ErrUnavailable
+	fenced  bool // an owner's call failed with ErrFenced
+
+	// A claim's answer.
+	state     idempotency.ClaimState
+	opID      string
+	attempt   int
+	token     uint64
+	abandoned bool
+	resp      string
+	leaseLeft int64
+}
+
+// step returns the records that r can become through in answered by out;
+// none when out is not an answer the contract allows.
+func step(r record, in input, out output) []record {
+	switch in.verb {
+	case claim:
+		return claimStep(r, in, out)
+	case complete:
+		return owned(r, out, in.token, func(r record) record {
+			return record{phase: completed, fp: r.fp, opID: r.opID, last: r.last, resp: in.resp}
+		})
+	case release:
+		return owned(r, out, in.token, func(r record) record {
+			return record{phase: released, fp: r.fp, opID: r.opID, attempt: r.attempt, last: r.last}
+		})
+	case forget:
+		return owned(r, out, in.token, func(r record) record { return record{last: r.last} })
+	case heartbeat:
+		return owned(r, out, in.token, func(r record) record {
+			r.leaseFrom, r.leaseTo = in.from+in.lease, in.to+in.lease
+			return r
+		})
+	case abandon:
+		return owned(r, out, in.token, func(r record) record {
+			r.leaseFrom, r.leaseTo = in.from, in.to
+			return r
+		})
+	}
+	return nil
+}
+
+// owned is a call by the owner of token: it changes r if token owns the
+// record, however long ago its lease ran out, and is fenced otherwise.
+func owned(r record, out output, token uint64, change func(record) record) []record {
+	owns := r.phase == inFlight && r.token == token
+	switch {
+	case out.unknown && owns:
+		return []record{r, change(r)}
+	case out.unknown || out.fenced && !owns:
+		return []record{r}
+	case !out.fenced && owns:
+		return []record{change(r)}
+	}
+	return nil
+}
+
+func claimStep(r record, in input, out output) []record {
+	if r.phase != absent && r.fp != in.fp {
+		return unchanged(r, out.unknown || out.state == idempotency.Mismatch)
+	}
+	switch r.phase {
+	case absent:
+		return own(r, in, out, in.opID, 1, false)
+	case completed:
+		return unchanged(r, out.unknown || out.state == idempotency.Completed && out.opID == r.opID && out.resp == r.resp)
+	case released:
+		return own(r, in, out, r.opID, r.attempt+1, false)
+	}
+	// In flight: the lease may be live at some time of the call's window,
+	// may have run out at some time of it, or both.
+	var next []record
+	if r.leaseTo > in.from {
+		inflight := out.state == idempotency.InFlight && out.leaseLeft > 0 &&
+			r.leaseFrom-in.to <= out.leaseLeft && out.leaseLeft <= r.leaseTo-in.from
+		next = unchanged(r, out.unknown || inflight)
+	}
+	if r.leaseFrom <= in.to {
+		next = append(next, own(r, in, out, r.opID, r.attempt+1, true)...)
+	}
+	return next
+}
+
+// own is a claim that makes its caller the owner of attempt, or when its
+// outcome is unknown may have.
+func own(r record, in input, out output, opID string, attempt int, abandoned bool) []record {
+	n := record{phase: inFlight, fp: in.fp, opID: opID, attempt: attempt, last: r.last,
+		leaseFrom: in.from + in.lease, leaseTo: in.to + in.lease}
+	switch {
+	case out.unknown:
+		return []record{r, n}
+	case out.state != idempotency.Owner || out.opID != opID || out.attempt != attempt ||
+		out.abandoned != abandoned || out.token <= r.last:
+		return nil
+	}
+	n.token, n.last = out.token, out.token
+	return []record{n}
+}
+
+func unchanged(r record, ok bool) []record {
+	if ok {
+		return []record{r}
+	}
+	return nil
+}
+
+// model is the checker's model of a history's records, partitioned by key.
+var model = (&porcupine.NondeterministicModel{
+	Partition: func(history []porcupine.Operation) [][]porcupine.Operation {
+		var keys []string
+		byKey := map[string][]porcupine.Operation{}
+		for _, op := range history {
+			k := op.Input.(input).key
+			if byKey[k] == nil {
+				keys = append(keys, k)
+			}
+			byKey[k] = append(byKey[k], op)
+		}
+		parts := make([][]porcupine.Operation, len(keys))
+		for i, k := range keys {
+			parts[i] = byKey[k]
+		}
+		return parts
+	},
+	Init: func() []any { return []any{record{}} },
+	Step: func(state, in, out any) []any {
+		var next []any
+		for _, r := range step(state.(record), in.(input), out.(output)) {
+			next = append(next, r)
+		}
+		return next
+	},
+	DescribeOperation: func(in, out any) string { return describeCall(in.(input), out.(output)) },
+	DescribeState:     func(state any) string { return describeRecord(state.(record)) },
+}).ToModel()
+
+func describeCall(in input, out output) string {
+	var call string
+	switch in.verb {
+	case claim:
+		call = fmt.Sprintf("%s claim %c %s lease %v", in.key, in.fp, in.opID, time.Duration(in.lease))
+	case heartbeat:
+		call = fmt.Sprintf("%s heartbeat #%d lease %v", in.key, in.token, time.Duration(in.lease))
+	default:
+		call = fmt.Sprintf("%s %v #%d", in.key, in.verb, in.token)
+	}
+	var answer string
+	switch {
+	case out.unknown:
+		answer = "unknown"
+	case out.fenced:
+		answer = "fenced"
+	case in.verb != claim:
+		answer = "ok"
+	case out.state == idempotency.Owner:
+		answer = fmt.Sprintf("owner #%d of %s, attempt %d, abandoned %t", out.token, out.opID, out.attempt, out.abandoned)
+	case out.state == idempotency.InFlight:
+		answer = fmt.Sprintf("in flight, %v left", time.Duration(out.leaseLeft))
+	case out.state == idempotency.Completed:
+		answer = fmt.Sprintf("completed %s: %s", out.opID, out.resp)
+	default:
+		answer = "mismatch"
+	}
+	return call + " → " + answer
+}
+
+func describeRecord(r record) string {
+	switch r.phase {
+	case inFlight:
+		return fmt.Sprintf("in flight %c %s #%d attempt %d, lease ends in [%v, %v]",
+			r.fp, r.opID, r.token, r.attempt, time.Duration(r.leaseFrom), time.Duration(r.leaseTo))
+	case released:
+		return fmt.Sprintf("released %c %s attempt %d", r.fp, r.opID, r.attempt)
+	case completed:
+		return fmt.Sprintf("completed %c %s: %s", r.fp, r.opID, r.resp)
+	}
+	return fmt.Sprintf("absent, last token #%d", r.last)
+}
