@@ -95,7 +95,10 @@ type result struct {
 	// Others is the CPU, in cores, that the other processes of the
 	// machine (all but this one and redis-server) used meanwhile: the
 	// noisy neighbours of a shared machine. NaN if not known.
-	Others     float64
+	Others float64
+	// Steal is the CPU, in cores, that the hypervisor gave other machines
+	// meanwhile, while this one had work; NaN if not known.
+	Steal      float64
 	RoundTrips float64 // to Redis, per operation
 	// Commands is, by command, the calls and µs redis-server spent per
 	// operation (INFO commandstats); nil if not known.
@@ -126,6 +129,7 @@ type usage struct {
 	// others is the CPU time of every process on the machine but this one
 	// and a redis-server the bench started; < 0 if not known.
 	others   time.Duration
+	steal    time.Duration          // the hypervisor's (see machineCPU); < 0 if not known
 	commands map[string]commandStat // INFO commandstats; nil if not known
 	trips    uint64                 // round trips to Redis
 }
@@ -202,9 +206,12 @@ func load(ctx context.Context, concurrency int, warm, dur time.Duration, op time
 			r.FirstErr = wk.first
 		}
 	}
-	r.ServerCPU, r.Others = math.NaN(), math.NaN()
+	r.ServerCPU, r.Others, r.Steal = math.NaN(), math.NaN(), math.NaN()
 	if u0.others >= 0 && u1.others >= 0 {
 		r.Others = max(0, u1.others-u0.others).Seconds() / elapsed.Seconds()
+	}
+	if u0.steal >= 0 && u1.steal >= 0 {
+		r.Steal = (u1.steal - u0.steal).Seconds() / elapsed.Seconds()
 	}
 	if r.Ops > 0 {
 		r.Allocs = float64(after.Mallocs-before.Mallocs) / float64(r.Ops)

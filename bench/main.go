@@ -445,10 +445,11 @@ func (e *env) runRow(ctx context.Context, cfg config, r row, n int, prefix strin
 
 // use is the rows' meter. The server's CPU time (INFO cpu) and command
 // counters (INFO commandstats) are read from a standalone redis-server,
-// and are not known elsewhere; the other processes' CPU time only when the
-// bench started the server, the one server known to run here.
+// and are not known elsewhere; the hypervisor's steal is read wherever
+// /proc/stat is, and the other processes' CPU time only when the bench
+// started the server, the one server known to run here.
 func (e *env) use() usage {
-	u := usage{server: -1, others: -1, trips: e.trips.n.Load()}
+	u := usage{server: -1, others: -1, steal: -1, trips: e.trips.n.Load()}
 	var ru syscall.Rusage
 	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err == nil {
 		u.self = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
@@ -456,8 +457,12 @@ func (e *env) use() usage {
 	if e.monitorAddr != "" {
 		u.server, u.commands = e.serverUsage()
 	}
+	busy, steal, ok := machineCPU()
+	if ok {
+		u.steal = steal
+	}
 	// An embedded server's time is this process's.
-	if busy, ok := machineBusy(); ok && e.throwaway && (e.embedded || u.server >= 0) {
+	if ok && e.throwaway && (e.embedded || u.server >= 0) {
 		u.others = busy - u.self - max(u.server, 0)
 	}
 	return u
@@ -520,7 +525,7 @@ func progressTo(w io.Writer) func(name string, run, runs int, done, total time.D
 // _max are the extremes of the same figure, and vs_baseline is the median
 // of the run-by-run ratios. others_cpu is the CPU, in cores, that the
 // machine's other processes used during a run (PostgreSQL's own too, in the
-// postgres rows).
+// postgres rows), and steal_cpu what the hypervisor took.
 type jsonRow struct {
 	Name         string               `json:"name"`
 	OpsPerSec    float64              `json:"ops_per_sec"`
@@ -540,6 +545,8 @@ type jsonRow struct {
 	VsMax        *float64             `json:"vs_baseline_max,omitempty"`
 	Others       *float64             `json:"others_cpu,omitempty"`
 	OthersMax    *float64             `json:"others_cpu_max,omitempty"`
+	Steal        *float64             `json:"steal_cpu,omitempty"`
+	StealMax     *float64             `json:"steal_cpu_max,omitempty"`
 	Errors       uint64               `json:"errors,omitempty"`
 	RoundTrips   float64              `json:"redis_round_trips_per_op"`
 	Commands     map[string]jsonPerOp `json:"redis_commands,omitempty"`
@@ -574,8 +581,9 @@ func writeJSON(w io.Writer, rep *report) error {
 			ServerCPU:    known(s.of(serverCPU).Median, 1),
 		}
 		j.RoundTrips = round(s.of(roundTrips).Median, 3)
-		others := s.of(func(r *result) float64 { return r.Others })
+		others, steal := s.of(othersCPU), s.of(stealCPU)
 		j.Others, j.OthersMax = known(others.Median, 2), known(others.Max, 2)
+		j.Steal, j.StealMax = known(steal.Median, 2), known(steal.Max, 2)
 		for _, r := range s.Runs {
 			j.OpsPerSecRun = append(j.OpsPerSecRun, round(r.OpsPerSec(), 0))
 		}
@@ -605,6 +613,8 @@ func allocs(r *result) float64     { return r.Allocs }
 func clientCPU(r *result) float64  { return r.CPU }
 func serverCPU(r *result) float64  { return r.ServerCPU }
 func roundTrips(r *result) float64 { return r.RoundTrips }
+func othersCPU(r *result) float64  { return r.Others }
+func stealCPU(r *result) float64   { return r.Steal }
 
 func round(v float64, digits int) float64 {
 	p := math.Pow(10, float64(digits))
@@ -733,42 +743,37 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 		fmt.Fprintf(w, "  %s\n", e.pgSkip)
 	}
 	fmt.Fprintf(w, "  %d runs of %v per row, %d concurrent operations unless @1; client and servers share this machine\n", cfg.runs, cfg.duration, cfg.concurrency)
-	if n := rep.neighbours(); n.known {
-		fmt.Fprintf(w, "  other processes used %.2f of a core in the median run, %.2f at most (%s, run %d)\n", n.median, n.worst, n.row, n.run+1)
-		if n.worst >= 0.1 {
-			fmt.Fprintln(w, "  WARNING: the machine was not quiet: ops/s suffer, and the run-by-run ratios less")
-		}
-	}
+	writeNeighbours(w, rep)
 }
 
-// neighbours is the CPU that the machine's other processes used during the
-// runs, in cores.
-type neighbours struct {
-	known         bool
-	median, worst float64
-	row           string // of the worst run
-	run           int
-}
-
-// neighbours looks at every run but those of the postgres rows, where the
-// other processes include PostgreSQL.
-func (rep *report) neighbours() neighbours {
-	var n neighbours
-	var all []float64
+// writeNeighbours says how much CPU the machine's other processes, and the
+// hypervisor's other machines, took during the runs: on a shared machine,
+// the largest source of noise. The postgres rows are left out, since there
+// the other processes include PostgreSQL.
+func writeNeighbours(w io.Writer, rep *report) {
+	var others, steal []float64
 	for _, s := range rep.rows {
 		if strings.HasPrefix(s.Name, "postgres/") {
 			continue
 		}
-		for i, r := range s.Runs {
-			if math.IsNaN(r.Others) {
-				continue
-			}
-			all = append(all, r.Others)
-			if !n.known || r.Others > n.worst {
-				n.known, n.worst, n.row, n.run = true, r.Others, s.Name, i
-			}
+		for _, r := range s.Runs {
+			others, steal = append(others, r.Others), append(steal, r.Steal)
 		}
 	}
-	n.median = spreadOf(all).Median
-	return n
+	quiet := true
+	for _, c := range []struct {
+		what string
+		cpu  spread
+	}{
+		{"other processes used", spreadOf(others)},
+		{"the hypervisor gave other machines (steal)", spreadOf(steal)},
+	} {
+		if !math.IsNaN(c.cpu.Median) {
+			fmt.Fprintf(w, "  %s %.2f of a core in the median run, %.2f at most\n", c.what, c.cpu.Median, c.cpu.Max)
+			quiet = quiet && c.cpu.Max < 0.1
+		}
+	}
+	if !quiet {
+		fmt.Fprintln(w, "  WARNING: the machine was not quiet: ops/s suffer, and the run-by-run ratios less")
+	}
 }
