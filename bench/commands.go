@@ -21,8 +21,9 @@ type perOp struct{ Calls, Usec float64 }
 func parseCommandStats(info string) map[string]commandStat {
 	stats := map[string]commandStat{}
 	for line := range strings.Lines(info) {
-		name, fields, ok := strings.Cut(strings.TrimSpace(line), ":")
-		if name, ok = strings.CutPrefix(name, "cmdstat_"); !ok {
+		stat, fields, _ := strings.Cut(strings.TrimSpace(line), ":")
+		name, ok := strings.CutPrefix(stat, "cmdstat_")
+		if !ok {
 			continue
 		}
 		var s commandStat

@@ -56,7 +56,6 @@ func at1(name string) string { return name + "@1" }
 // rows lists every row in the order one run runs them: each library row
 // right after its baseline.
 func (e *env) rows() []row {
-	sameAsTwo := "a handler making " + two + "'s two EVALSHAs, on the same server and client as the HTTP rows"
 	return []row{
 		{name: two, prepare: e.twoRoundTrips},
 		{name: newOp, baseline: two, prepare: e.newOperation(e.redisGuard, "")},
@@ -70,10 +69,11 @@ func (e *env) rows() []row {
 		{name: "redis/replay+otel", baseline: replayOp, prepare: e.replay(e.otelGuard, "")},
 		{name: bareHTTP, prepare: e.httpFresh("/bare"),
 			footnote: "for scale: a handler that makes no Redis call, on the same server and client as the HTTP rows"},
-		{name: httpTwo, prepare: e.httpFresh("/two"), footnote: sameAsTwo},
+		{name: httpTwo, prepare: e.httpFresh("/two"),
+			footnote: "a handler making the two EVALSHAs of " + two + ", on the same server and client as the HTTP rows"},
 		{name: httpNewOp, baseline: httpTwo, prepare: e.httpFresh("/guarded")},
 		{name: httpOne, prepare: e.httpRecorded("/one"),
-			footnote: "a handler making " + one + "'s EVALSHA, on the same server and client as the HTTP rows"},
+			footnote: "a handler making the EVALSHA of " + one + ", on the same server and client as the HTTP rows"},
 		{name: httpReplayOp, baseline: httpOne, prepare: e.httpRecorded("/guarded")},
 		{name: at1(two), concurrency: 1, prepare: e.twoRoundTrips},
 		{name: at1(newOp), concurrency: 1, baseline: at1(two), prepare: e.newOperation(e.redisGuard, "")},
