@@ -297,3 +297,30 @@ func TestCommandStats(t *testing.T) {
 	assert.Equal(t, map[string]perOp{"evalsha": {2, 20}, "zadd": {1, 1}}, s.commands())
 	assert.Nil(t, (&summary{Runs: []*result{{}}}).commands())
 }
+
+// The commandstats section prints each library row beside its floor,
+// evalsha first, a dash for a command one side did not make, and leaves
+// out what rounds to no call per operation.
+func TestWriteCommands(t *testing.T) {
+	runOf := func(trips float64, cmds map[string]perOp) *result {
+		return &result{Ops: 1000, Elapsed: time.Second, RoundTrips: trips, Commands: cmds}
+	}
+	newOpRow, twoRow := runsOf(newOp, 1000), runsOf(two, 1000)
+	newOpRow.Runs[0] = runOf(0.25, map[string]perOp{"evalsha": {2, 30}, "get": {2, 1.5}, "zadd": {1, 2}, "hello": {0.001, 0.01}})
+	twoRow.Runs[0] = runOf(2, map[string]perOp{"evalsha": {2, 10}, "set": {2, 3.25}})
+	var b bytes.Buffer
+	writeCommands(&b, &report{rows: []*summary{twoRow, newOpRow}, runs: 1})
+	out := b.String()
+	assert.Regexp(t, `(?m)^ +redis/new-operation +baseline/two-roundtrips *\n`+
+		` +command +calls/op +µs/op +calls/op +µs/op *\n`+
+		` +round trips +0\.25 +- +2\.00 +- *\n`+
+		` +evalsha +2\.00 +30\.00 +2\.00 +10\.00 *\n`+
+		` +get +2\.00 +1\.50 +- +- *\n`+
+		` +set +- +- +2\.00 +3\.25 *\n`+
+		` +zadd +1\.00 +2\.00 +- +- *\n$`, out)
+	assert.NotContains(t, out, "hello")
+
+	b.Reset()
+	writeCommands(&b, &report{rows: []*summary{runsOf(two, 1000), runsOf(newOp, 1000)}, runs: 1})
+	assert.Contains(t, b.String(), "not measured: needs INFO commandstats", "rows without commandstats")
+}
