@@ -84,20 +84,27 @@ func timed(f func(ctx context.Context, w, i int) error) timedOp {
 	}
 }
 
-// result is what one row measured.
+// result is what one run of one row measured.
 type result struct {
-	Name      string
-	Baseline  string // the row it is compared with, if any
 	Ops       uint64
 	Elapsed   time.Duration
 	Latency   histogram
 	Allocs    float64 // heap allocations per operation in this process
 	CPU       float64 // µs of this process's CPU per operation
 	ServerCPU float64 // µs of redis-server's CPU per operation; NaN if not known
-	Errors    uint64
-	FirstErr  error
-	Footnote  string
-	Skipped   string // why the row did not run
+	// Others is the CPU, in cores, that the other processes of the
+	// machine (all but this one and redis-server) used meanwhile: the
+	// noisy neighbours of a shared machine. NaN if not known.
+	Others float64
+	// Steal is the CPU, in cores, that the hypervisor gave other machines
+	// meanwhile, while this one had work; NaN if not known.
+	Steal      float64
+	RoundTrips float64 // to Redis, per operation
+	// Commands is, by command, the calls and µs redis-server spent per
+	// operation (INFO commandstats); nil if not known.
+	Commands map[string]perOp
+	Errors   uint64
+	FirstErr error
 }
 
 func (r *result) OpsPerSec() float64 {
@@ -116,15 +123,25 @@ type worker struct {
 	first error
 }
 
-// cpuMeter reads the CPU time used so far by this process and by the
-// server; a negative server time means it cannot be known.
-type cpuMeter func() (self, server time.Duration)
+// usage is what this process and the server have used so far.
+type usage struct {
+	self, server time.Duration // CPU time; server < 0 if not known
+	// others is the CPU time of every process on the machine but this one
+	// and a redis-server the bench started; < 0 if not known.
+	others   time.Duration
+	steal    time.Duration          // the hypervisor's (see machineCPU); < 0 if not known
+	commands map[string]commandStat // INFO commandstats; nil if not known
+	trips    uint64                 // round trips to Redis
+}
+
+// meter reads the usage so far.
+type meter func() usage
 
 // load runs op on concurrency goroutines: for warm (scripts loaded, pools
 // filled, nothing recorded), then for dur, recording every operation that
-// ends in that window. progress is called now and then with the time spent
-// and the operations done so far.
-func load(ctx context.Context, concurrency int, warm, dur time.Duration, op timedOp, cpu cpuMeter, progress func(time.Duration, uint64)) result {
+// ends in that window; use is read at the window's two ends. progress is
+// called now and then with the time spent and the operations done so far.
+func load(ctx context.Context, concurrency int, warm, dur time.Duration, op timedOp, use meter, progress func(time.Duration, uint64)) result {
 	var measuring, stop atomic.Bool
 	workers := make([]*worker, concurrency)
 	var wg sync.WaitGroup
@@ -152,7 +169,7 @@ func load(ctx context.Context, concurrency int, warm, dur time.Duration, op time
 
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)
-	self0, server0 := cpu()
+	u0 := use()
 	measuring.Store(true)
 	start := time.Now()
 	tick := time.NewTicker(250 * time.Millisecond)
@@ -175,7 +192,7 @@ func load(ctx context.Context, concurrency int, warm, dur time.Duration, op time
 	tick.Stop()
 	measuring.Store(false)
 	elapsed := time.Since(start)
-	self1, server1 := cpu()
+	u1 := use()
 	runtime.ReadMemStats(&after)
 	stop.Store(true)
 	wg.Wait()
@@ -189,13 +206,21 @@ func load(ctx context.Context, concurrency int, warm, dur time.Duration, op time
 			r.FirstErr = wk.first
 		}
 	}
-	r.ServerCPU = math.NaN()
+	r.ServerCPU, r.Others, r.Steal = math.NaN(), math.NaN(), math.NaN()
+	if u0.others >= 0 && u1.others >= 0 {
+		r.Others = max(0, u1.others-u0.others).Seconds() / elapsed.Seconds()
+	}
+	if u0.steal >= 0 && u1.steal >= 0 {
+		r.Steal = (u1.steal - u0.steal).Seconds() / elapsed.Seconds()
+	}
 	if r.Ops > 0 {
 		r.Allocs = float64(after.Mallocs-before.Mallocs) / float64(r.Ops)
-		r.CPU = float64((self1 - self0).Microseconds()) / float64(r.Ops)
-		if server0 >= 0 && server1 >= 0 {
-			r.ServerCPU = float64((server1 - server0).Microseconds()) / float64(r.Ops)
+		r.CPU = float64((u1.self - u0.self).Microseconds()) / float64(r.Ops)
+		if u0.server >= 0 && u1.server >= 0 {
+			r.ServerCPU = float64((u1.server - u0.server).Microseconds()) / float64(r.Ops)
 		}
+		r.RoundTrips = float64(u1.trips-u0.trips) / float64(r.Ops)
+		r.Commands = commandsPerOp(u0.commands, u1.commands, r.Ops)
 	}
 	return r
 }

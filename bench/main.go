@@ -10,14 +10,23 @@
 // port, or, when none is installed, an embedded miniredis whose figures say
 // nothing about production. Without -postgres it starts a PostgreSQL when
 // initdb and pg_ctl are installed, and skips the PostgreSQL rows otherwise.
+//
+// Every row runs -runs times for -duration, the rows' runs interleaved (run
+// 1 of every row, then run 2, ...), and its figures are the medians over
+// its runs; a ratio to a baseline, and so a budget, is taken run by run,
+// each run against the baseline's run measured close to it, and its median
+// reported with its range. A server the bench started is emptied before
+// every run; a server given with -redis or -cluster never is.
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
+	"hash/maphash"
 	"io"
 	"log/slog"
 	"math"
@@ -51,7 +60,8 @@ type config struct {
 	redisAddr   string
 	cluster     string
 	postgresDSN string
-	duration    time.Duration
+	duration    time.Duration // of one run of one row
+	runs        int
 	concurrency int
 	json        bool
 	rows        *regexp.Regexp
@@ -65,7 +75,8 @@ func main() {
 	flag.StringVar(&cfg.redisAddr, "redis", "", "Redis `HOST:PORT` (default: start a throwaway redis-server)")
 	flag.StringVar(&cfg.cluster, "cluster", "", "Redis Cluster node addresses, `ADDR,...`")
 	flag.StringVar(&cfg.postgresDSN, "postgres", "", "PostgreSQL `DSN` (default: start a throwaway server if installed)")
-	flag.DurationVar(&cfg.duration, "duration", 3*time.Second, "measuring time per row")
+	flag.DurationVar(&cfg.duration, "duration", time.Second, "measuring time of one run of one row")
+	flag.IntVar(&cfg.runs, "runs", 3, "runs of every row, `N`: a row's figures are the medians over its runs")
 	flag.IntVar(&cfg.concurrency, "concurrency", 50, "concurrent operations per row")
 	flag.BoolVar(&cfg.json, "json", false, "print one JSON object per row on stdout; the rest goes to stderr")
 	flag.StringVar(&rows, "rows", "", "run only the rows whose name matches this `regexp`")
@@ -77,8 +88,8 @@ func main() {
 		fmt.Fprintln(os.Stderr, "bench: -rows:", err)
 		os.Exit(2)
 	}
-	if cfg.concurrency < 1 || cfg.duration <= 0 {
-		fmt.Fprintln(os.Stderr, "bench: -concurrency and -duration must be positive")
+	if cfg.concurrency < 1 || cfg.duration <= 0 || cfg.runs < 1 {
+		fmt.Fprintln(os.Stderr, "bench: -concurrency, -duration and -runs must be positive")
 		os.Exit(2)
 	}
 	if cfg.replicas < 0 || cfg.replicas > 0 && cfg.redisAddr == "" && cfg.cluster == "" {
@@ -102,16 +113,22 @@ type env struct {
 	concurrency    int
 	run            string // starts every key name, so that runs on one server never meet
 	redis          redis.UniversalClient
+	trips          tripCounter                              // counts redis's round trips
+	info           redis.UniversalClient                    // INFO on a standalone redis-server, off redis's pool and trips
 	newRedisClient func(poolSize int) redis.UniversalClient // same settings as redis
 	redisVersion   string
 	embedded       bool   // miniredis in this process
 	monitorAddr    string // a standalone redis-server, where MONITOR works; "" otherwise
+	// throwaway is set when the bench started the Redis server itself, and
+	// may empty it between runs.
+	throwaway bool
+	seed      maphash.Seed // of the baselines' hash tags
 
-	redisGuard, memGuard *idempotency.Guard
-	slogGuard            *idempotency.Guard // redisGuard's store, logging every event
-	otelGuard            *idempotency.Guard // redisGuard's store, with the OpenTelemetry observer
-	pgGuard              *idempotency.Guard // nil without PostgreSQL
-	pgSkip, pgVersion    string
+	redisGuard        *idempotency.Guard
+	slogGuard         *idempotency.Guard // redisGuard's store, logging every event
+	otelGuard         *idempotency.Guard // redisGuard's store, with the OpenTelemetry observer
+	pgGuard           *idempotency.Guard // nil without PostgreSQL
+	pgSkip, pgVersion string
 
 	http    *http.Client
 	httpURL string
@@ -129,7 +146,7 @@ func (e *env) close() error {
 
 // setup connects to, or starts, the servers and builds the Guards.
 func setup(ctx context.Context, cfg config, log io.Writer) (e *env, err error) {
-	e = &env{concurrency: cfg.concurrency, run: strconv.FormatInt(time.Now().UnixNano(), 36) + "-"}
+	e = &env{concurrency: cfg.concurrency, run: strconv.FormatInt(time.Now().UnixNano(), 36) + "-", seed: maphash.MakeSeed()}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, e.close())
@@ -145,11 +162,11 @@ func setup(ctx context.Context, cfg config, log io.Writer) (e *env, err error) {
 		return e, err
 	}
 	e.closers = append(e.closers, rs.Close)
-	e.redisGuard = idempotency.New(rs, idempotency.Options{})
+	e.redisGuard = idempotency.New(rs, idempotency.Options{Retention: retention})
 	// Debug: every event is formatted and written, the most an observer
 	// costs; at the default Info level replays and executions are skipped.
 	debugLog := slog.New(slog.NewJSONHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	e.slogGuard = idempotency.New(rs, idempotency.Options{Observer: idempotency.SlogObserver(debugLog)})
+	e.slogGuard = idempotency.New(rs, idempotency.Options{Retention: retention, Observer: idempotency.SlogObserver(debugLog)})
 	// The SDK's own providers, every span sampled, nothing exported: the
 	// observer's cost, not an exporter's.
 	obs, err := idempotencyotel.NewObserver(idempotencyotel.Options{
@@ -159,9 +176,7 @@ func setup(ctx context.Context, cfg config, log io.Writer) (e *env, err error) {
 	if err != nil {
 		return e, err
 	}
-	e.otelGuard = idempotency.New(rs, idempotency.Options{Observer: obs})
-	// Every new operation of the run must fit: a full memory store refuses.
-	e.memGuard = idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{MaxRecords: 1 << 24}), idempotency.Options{})
+	e.otelGuard = idempotency.New(rs, idempotency.Options{Retention: retention, Observer: obs})
 
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -169,6 +184,8 @@ func setup(ctx context.Context, cfg config, log io.Writer) (e *env, err error) {
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/bare", handle)
+	mux.Handle("/one", e.setNXHandler(1))
+	mux.Handle("/two", e.setNXHandler(2))
 	mux.Handle("/guarded", e.redisGuard.Middleware(idempotency.MiddlewareOptions{})(http.HandlerFunc(handle)))
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = srv.Serve(l) }()
@@ -190,6 +207,7 @@ func (e *env) setupRedis(ctx context.Context, cfg config, log io.Writer) error {
 		addr := cfg.redisAddr
 		if addr == "" {
 			srv, stop, err := testserver.LaunchRedis()
+			e.throwaway = true
 			if err == nil {
 				e.closers = append(e.closers, stop)
 				addr = srv.Addr
@@ -215,6 +233,11 @@ func (e *env) setupRedis(ctx context.Context, cfg config, log io.Writer) error {
 	// One pooled connection per concurrent operation, for every row.
 	e.redis = e.newRedisClient(cfg.concurrency)
 	e.closers = append(e.closers, e.redis.Close)
+	e.redis.AddHook(&e.trips)
+	if e.monitorAddr != "" {
+		e.info = e.newRedisClient(1)
+		e.closers = append(e.closers, e.info.Close)
+	}
 	if err := e.redis.Ping(ctx).Err(); err != nil {
 		return fmt.Errorf("redis: %w", err)
 	}
@@ -269,7 +292,7 @@ func (e *env) setupPostgres(ctx context.Context, cfg config) {
 		if err := s.Migrate(ctx); err != nil {
 			return err
 		}
-		e.pgGuard = idempotency.New(s, idempotency.Options{})
+		e.pgGuard = idempotency.New(s, idempotency.Options{Retention: retention})
 		return nil
 	}()
 	if err != nil {
@@ -286,15 +309,26 @@ func oneLine(err error) string {
 	return s
 }
 
-// report is everything one run measured.
+// report is everything the program measured.
 type report struct {
-	results  []*result
+	rows     []*summary
+	runs     int
 	commands map[string]int // sent by one waiting request
 	cmdsSkip string
 	memory   []recordMemory
 	memSkip  string
 	gzip     []compression
 	gzipBody int
+}
+
+// row returns the named row if it ran, and did something, in every run.
+func (rep *report) row(name string) *summary {
+	for _, s := range rep.rows {
+		if s.Name == name && s.measured() {
+			return s
+		}
+	}
+	return nil
 }
 
 func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error) {
@@ -304,7 +338,7 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error) 
 	}
 	defer func() { err = errors.Join(err, e.close()) }()
 
-	var rep report
+	rep := report{runs: cfg.runs}
 	// Before the rows: finding the record scans the whole keyspace.
 	if e.embedded {
 		rep.memSkip = "miniredis does not measure memory as Redis does"
@@ -334,16 +368,36 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error) 
 		}
 		defer pprof.StopCPUProfile()
 	}
-	progress := progressTo(stderr)
+	var rows []row
 	for _, r := range e.rows() {
-		if !cfg.rows.MatchString(r.name) {
-			continue
+		if cfg.rows.MatchString(r.name) {
+			rows = append(rows, r)
+			n := cmp.Or(r.concurrency, cfg.concurrency)
+			rep.rows = append(rep.rows, &summary{Name: r.name, Baseline: r.baseline, Concurrency: n, Footnote: r.footnote})
 		}
-		res, err := e.runRow(ctx, cfg, r, progress)
-		if err != nil {
-			return err
+	}
+	progress := progressTo(stderr)
+	err = interleave(len(rows), cfg.runs, func(i, run int) error {
+		s := rep.rows[i]
+		if s.Skipped != "" {
+			return nil
 		}
-		rep.results = append(rep.results, res)
+		res, err := e.runRow(ctx, cfg, rows[i], s.Concurrency, fmt.Sprintf("%s%d-%d-", e.run, run, i),
+			func(d time.Duration, ops uint64) { progress(s.Name, run, cfg.runs, d, cfg.duration, ops) })
+		progress("", 0, 0, 0, 0, 0)
+		var skip skipped
+		switch {
+		case errors.As(err, &skip):
+			s.Skipped = string(skip)
+		case err != nil:
+			return fmt.Errorf("%s: %w", s.Name, err)
+		default:
+			s.Runs = append(s.Runs, res)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
 	}
 	if e.monitorAddr == "" {
 		rep.cmdsSkip = "needs MONITOR on one redis-server"
@@ -354,54 +408,77 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error) 
 	}
 
 	if cfg.json {
-		if err := writeJSON(stdout, rep.results); err != nil {
+		if err := writeJSON(stdout, &rep); err != nil {
 			return err
 		}
 		stdout = stderr
 	} else {
-		writeTable(stdout, rep.results)
+		writeTable(stdout, &rep)
 	}
 	writeReport(stdout, e, cfg, &rep)
 	return nil
 }
 
-func (e *env) runRow(ctx context.Context, cfg config, r row, progress func(string, time.Duration, time.Duration, uint64)) (*result, error) {
-	op, err := r.prepare(ctx)
-	var skip skipped
-	if errors.As(err, &skip) {
-		return &result{Name: r.name, Skipped: string(skip)}, nil
+// runRow runs r once on n goroutines. On a server the bench started, each
+// run starts on an empty keyspace, so that no run pays for the keys the
+// runs before it left (a larger dict to rehash and walk, more memory); and
+// every run starts on a collected heap, so that no run pays for collecting
+// another's garbage.
+func (e *env) runRow(ctx context.Context, cfg config, r row, n int, prefix string, progress func(time.Duration, uint64)) (*result, error) {
+	if e.throwaway {
+		if err := e.redis.FlushAll(ctx).Err(); err != nil {
+			return nil, fmt.Errorf("FLUSHALL: %w", err)
+		}
 	}
+	op, err := r.prepare(ctx, prefix)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", r.name, err)
+		return nil, err
 	}
-	n := cfg.concurrency
-	if r.concurrency > 0 {
-		n = r.concurrency
-	}
+	runtime.GC()
 	warm := min(max(cfg.duration/10, 50*time.Millisecond), 500*time.Millisecond)
-	res := load(ctx, n, warm, cfg.duration, op, e.cpu, func(d time.Duration, ops uint64) { progress(r.name, d, cfg.duration, ops) })
-	progress("", 0, 0, 0)
+	res := load(ctx, n, warm, cfg.duration, op, e.use, progress)
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	res.Name, res.Baseline, res.Footnote = r.name, r.baseline, r.footnote
 	return &res, nil
 }
 
-// cpu is the rows' cpuMeter: the server's time comes from INFO cpu on a
-// standalone redis-server, and is not known elsewhere.
-func (e *env) cpu() (self, server time.Duration) {
+// use is the rows' meter. The server's CPU time (INFO cpu) and command
+// counters (INFO commandstats) are read from a standalone redis-server,
+// and are not known elsewhere; the hypervisor's steal is read wherever
+// /proc/stat is, and the other processes' CPU time only when the bench
+// started the server, the one server known to run here.
+func (e *env) use() usage {
+	u := usage{server: -1, others: -1, steal: -1, trips: e.trips.n.Load()}
 	var ru syscall.Rusage
 	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err == nil {
-		self = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+		u.self = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 	}
-	server = -1
-	if e.monitorAddr == "" {
-		return self, server
+	if e.monitorAddr != "" {
+		u.server, u.commands = e.serverUsage()
 	}
-	info, err := e.redis.Info(context.Background(), "cpu").Result()
+	busy, steal, ok := machineCPU()
+	if ok {
+		u.steal = steal
+	}
+	// An embedded server's time is this process's.
+	if ok && e.throwaway && (e.embedded || u.server >= 0) {
+		u.others = busy - u.self - max(u.server, 0)
+	}
+	return u
+}
+
+// serverUsage reads redis-server's CPU time, or -1, and its command
+// counters, or nil.
+func (e *env) serverUsage() (time.Duration, map[string]commandStat) {
+	ctx := context.Background()
+	var cmds map[string]commandStat
+	if info, err := e.info.Info(ctx, "commandstats").Result(); err == nil {
+		cmds = parseCommandStats(info)
+	}
+	info, err := e.info.Info(ctx, "cpu").Result()
 	if err != nil {
-		return self, server
+		return -1, cmds
 	}
 	var secs float64
 	for line := range strings.Lines(info) {
@@ -409,17 +486,17 @@ func (e *env) cpu() (self, server time.Duration) {
 		if k == "used_cpu_sys" || k == "used_cpu_user" {
 			f, err := strconv.ParseFloat(v, 64)
 			if err != nil {
-				return self, server
+				return -1, cmds
 			}
 			secs += f
 		}
 	}
-	return self, time.Duration(secs * float64(time.Second))
+	return time.Duration(secs * float64(time.Second)), cmds
 }
 
 // progressTo returns a reporter that rewrites one status line on a terminal
-// and prints each row's name once elsewhere; an empty name ends the row.
-func progressTo(w io.Writer) func(name string, done, total time.Duration, ops uint64) {
+// and prints each run of a row once elsewhere; an empty name ends the run.
+func progressTo(w io.Writer) func(name string, run, runs int, done, total time.Duration, ops uint64) {
 	f, ok := w.(*os.File)
 	tty := false
 	if ok {
@@ -428,85 +505,177 @@ func progressTo(w io.Writer) func(name string, done, total time.Duration, ops ui
 		}
 	}
 	last := ""
-	return func(name string, done, total time.Duration, ops uint64) {
+	return func(name string, run, runs int, done, total time.Duration, ops uint64) {
+		at := fmt.Sprintf("%s, run %d/%d", name, run+1, runs)
 		switch {
 		case tty && name == "":
 			fmt.Fprint(w, "\r\033[K")
 		case tty:
-			fmt.Fprintf(w, "\r\033[K%-26s %4.1fs/%.0fs %9.0f ops/s", name, done.Seconds(), total.Seconds(), float64(ops)/done.Seconds())
-		case name != "" && name != last:
-			fmt.Fprintf(w, "running %s ...\n", name)
+			fmt.Fprintf(w, "\r\033[K%-40s %4.1fs/%.0fs %9.0f ops/s", at, done.Seconds(), total.Seconds(), float64(ops)/done.Seconds())
+		case name != "" && at != last:
+			fmt.Fprintf(w, "running %s ...\n", at)
 		}
 		if name != "" {
-			last = name
+			last = at
 		}
 	}
 }
 
+// jsonRow is one row of -json. Figures are medians over the runs; _min and
+// _max are the extremes of the same figure, and vs_baseline is the median
+// of the run-by-run ratios. others_cpu is the CPU, in cores, that the
+// machine's other processes used during a run (PostgreSQL's own too, in the
+// postgres rows), and steal_cpu what the hypervisor took.
+type jsonRow struct {
+	Name         string               `json:"name"`
+	OpsPerSec    float64              `json:"ops_per_sec"`
+	P50          float64              `json:"p50_us"`
+	P99          float64              `json:"p99_us"`
+	AllocsPerOp  float64              `json:"allocs_per_op"`
+	Concurrency  int                  `json:"concurrency"`
+	Runs         int                  `json:"runs"`
+	OpsPerSecMin float64              `json:"ops_per_sec_min"`
+	OpsPerSecMax float64              `json:"ops_per_sec_max"`
+	OpsPerSecRun []float64            `json:"ops_per_sec_runs"`
+	CPU          float64              `json:"cpu_us_per_op"`
+	ServerCPU    *float64             `json:"redis_us_per_op,omitempty"`
+	Baseline     string               `json:"baseline,omitempty"`
+	VsBaseline   *float64             `json:"vs_baseline,omitempty"`
+	VsMin        *float64             `json:"vs_baseline_min,omitempty"`
+	VsMax        *float64             `json:"vs_baseline_max,omitempty"`
+	Others       *float64             `json:"others_cpu,omitempty"`
+	OthersMax    *float64             `json:"others_cpu_max,omitempty"`
+	Steal        *float64             `json:"steal_cpu,omitempty"`
+	StealMax     *float64             `json:"steal_cpu_max,omitempty"`
+	Errors       uint64               `json:"errors,omitempty"`
+	RoundTrips   float64              `json:"redis_round_trips_per_op"`
+	Commands     map[string]jsonPerOp `json:"redis_commands,omitempty"`
+}
+
+// jsonPerOp is one command's Δcalls / ops and Δusec / ops in INFO
+// commandstats.
+type jsonPerOp struct {
+	Calls float64 `json:"calls_per_op"`
+	Usec  float64 `json:"usec_per_op"`
+}
+
 // writeJSON prints one object per row that ran.
-func writeJSON(w io.Writer, results []*result) error {
+func writeJSON(w io.Writer, rep *report) error {
 	enc := json.NewEncoder(w)
-	for _, r := range results {
-		if r.Skipped != "" {
+	for _, s := range rep.rows {
+		if len(s.Runs) == 0 {
 			continue
 		}
-		err := enc.Encode(struct {
-			Name        string  `json:"name"`
-			OpsPerSec   float64 `json:"ops_per_sec"`
-			P50         float64 `json:"p50_us"`
-			P99         float64 `json:"p99_us"`
-			AllocsPerOp float64 `json:"allocs_per_op"`
-		}{r.Name, round(r.OpsPerSec(), 0), round(r.Latency.quantile(0.5), 1), round(r.Latency.quantile(0.99), 1), round(r.Allocs, 1)})
-		if err != nil {
+		ops := s.ops()
+		j := jsonRow{
+			Name:         s.Name,
+			OpsPerSec:    round(ops.Median, 0),
+			P50:          round(s.of(quantile(0.5)).Median, 1),
+			P99:          round(s.of(quantile(0.99)).Median, 1),
+			AllocsPerOp:  round(s.of(allocs).Median, 1),
+			Concurrency:  s.Concurrency,
+			Runs:         len(s.Runs),
+			OpsPerSecMin: round(ops.Min, 0),
+			OpsPerSecMax: round(ops.Max, 0),
+			CPU:          round(s.of(clientCPU).Median, 1),
+			ServerCPU:    known(s.of(serverCPU).Median, 1),
+		}
+		j.RoundTrips = round(s.of(roundTrips).Median, 3)
+		others, steal := s.of(othersCPU), s.of(stealCPU)
+		j.Others, j.OthersMax = known(others.Median, 2), known(others.Max, 2)
+		j.Steal, j.StealMax = known(steal.Median, 2), known(steal.Max, 2)
+		for _, r := range s.Runs {
+			j.OpsPerSecRun = append(j.OpsPerSecRun, round(r.OpsPerSec(), 0))
+		}
+		if b := rep.row(s.Baseline); b != nil {
+			vs := s.ratio(b)
+			j.Baseline, j.VsBaseline, j.VsMin, j.VsMax = b.Name, known(vs.Median, 3), known(vs.Min, 3), known(vs.Max, 3)
+		}
+		j.Errors, _ = s.errors()
+		if cmds := s.commands(); cmds != nil {
+			j.Commands = map[string]jsonPerOp{}
+			for name, c := range cmds {
+				j.Commands[name] = jsonPerOp{round(c.Calls, 3), round(c.Usec, 2)}
+			}
+		}
+		if err := enc.Encode(j); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
+// The figures of one run that the table gives medians of.
+func quantile(q float64) func(*result) float64 {
+	return func(r *result) float64 { return r.Latency.quantile(q) }
+}
+func allocs(r *result) float64     { return r.Allocs }
+func clientCPU(r *result) float64  { return r.CPU }
+func serverCPU(r *result) float64  { return r.ServerCPU }
+func roundTrips(r *result) float64 { return r.RoundTrips }
+func othersCPU(r *result) float64  { return r.Others }
+func stealCPU(r *result) float64   { return r.Steal }
+
 func round(v float64, digits int) float64 {
 	p := math.Pow(10, float64(digits))
 	return math.Round(v*p) / p
 }
 
-func writeTable(w io.Writer, results []*result) {
-	byName := map[string]*result{}
-	for _, r := range results {
-		byName[r.Name] = r
+// known returns v rounded, or nil for NaN, which JSON cannot hold.
+func known(v float64, digits int) *float64 {
+	if math.IsNaN(v) {
+		return nil
 	}
+	v = round(v, digits)
+	return &v
+}
+
+func writeTable(w io.Writer, rep *report) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "name\tops/s\tp50 µs\tp99 µs\tallocs/op\tcpu µs/op\tredis µs/op\tvs baseline\t")
+	fmt.Fprintln(tw, "name\tops/s\tmin/max %\tp50 µs\tp99 µs\tallocs/op\tcpu µs/op\tredis µs/op\tvs baseline (min–max)\t")
 	var notes []string
-	for _, r := range results {
-		if r.Skipped != "" {
-			fmt.Fprintf(tw, "%s\t-\t-\t-\t-\t-\t-\t-\t\n", r.Name)
-			notes = append(notes, fmt.Sprintf("%s: skipped: %s", r.Name, r.Skipped))
+	for _, s := range rep.rows {
+		if len(s.Runs) == 0 {
+			fmt.Fprintf(tw, "%s\t-\t-\t-\t-\t-\t-\t-\t-\t\n", s.Name)
+			if s.Skipped != "" {
+				notes = append(notes, fmt.Sprintf("%s: skipped: %s", s.Name, s.Skipped))
+			}
 			continue
 		}
 		ratio := ""
-		if b := byName[r.Baseline]; b != nil && b.OpsPerSec() > 0 {
-			ratio = fmt.Sprintf("%.2f × %s", r.OpsPerSec()/b.OpsPerSec(), strings.TrimPrefix(b.Name, "baseline/"))
+		if b := rep.row(s.Baseline); b != nil {
+			vs := s.ratio(b)
+			ratio = fmt.Sprintf("%.2f × %s (%.2f–%.2f)", vs.Median, strings.TrimPrefix(b.Name, "baseline/"), vs.Min, vs.Max)
 		}
 		server := "-"
-		if !math.IsNaN(r.ServerCPU) && !strings.HasPrefix(r.Name, "postgres/") && !strings.HasPrefix(r.Name, "memory/") {
-			server = fmt.Sprintf("%.1f", r.ServerCPU)
+		if v := s.of(serverCPU).Median; !math.IsNaN(v) && !strings.HasPrefix(s.Name, "postgres/") && !strings.HasPrefix(s.Name, "memory/") {
+			server = fmt.Sprintf("%.1f", v)
 		}
-		fmt.Fprintf(tw, "%s\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%s\t%s\t\n", r.Name, r.OpsPerSec(),
-			r.Latency.quantile(0.5), r.Latency.quantile(0.99), r.Allocs, r.CPU, server, ratio)
-		if r.Footnote != "" {
-			notes = append(notes, fmt.Sprintf("%s: %s", r.Name, r.Footnote))
+		ops := s.ops()
+		fmt.Fprintf(tw, "%s\t%.0f\t%s\t%.0f\t%.0f\t%.1f\t%.1f\t%s\t%s\t\n", s.Name, ops.Median, percents(ops),
+			s.of(quantile(0.5)).Median, s.of(quantile(0.99)).Median, s.of(allocs).Median, s.of(clientCPU).Median, server, ratio)
+		if s.Footnote != "" {
+			notes = append(notes, fmt.Sprintf("%s: %s", s.Name, s.Footnote))
 		}
-		if r.Errors > 0 {
-			notes = append(notes, fmt.Sprintf("%s: %d operations FAILED, the first with: %v", r.Name, r.Errors, r.FirstErr))
+		if n, first := s.errors(); n > 0 {
+			notes = append(notes, fmt.Sprintf("%s: %d operations FAILED, the first with: %v", s.Name, n, first))
 		}
 	}
 	tw.Flush()
 	notes = append(notes,
+		fmt.Sprintf("every figure is the median of %d runs of each row, the rows' runs interleaved; min/max %%: the slowest and fastest run's ops/s against the median", rep.runs),
+		"vs baseline: the median, and the extremes, of the run-by-run ratios of ops/s to the baseline's run measured close to it",
 		"allocs/op, cpu µs/op: heap allocations and CPU time of this process per operation (the HTTP rows' include the HTTP server's)",
 		"redis µs/op: redis-server's CPU time per operation (INFO cpu; a standalone redis-server only)")
 	for _, n := range notes {
 		fmt.Fprintln(w, "  "+n)
 	}
+}
+
+// percents prints how far the slowest and the fastest run were from the
+// median.
+func percents(s spread) string {
+	return fmt.Sprintf("%+.0f/%+.0f", 100*(s.Min/s.Median-1), 100*(s.Max/s.Median-1))
 }
 
 func writeReport(w io.Writer, e *env, cfg config, rep *report) {
@@ -526,6 +695,8 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 		fmt.Fprintf(w, "Commands of a waiting request: not counted (%s)\n", rep.cmdsSkip)
 	}
 
+	writeCommands(w, rep)
+
 	fmt.Fprintln(w, "\nRedis memory per completed record (MEMORY USAGE, Content-Type header and a JSON body):")
 	if rep.memSkip != "" {
 		fmt.Fprintf(w, "  not measured: %s\n", rep.memSkip)
@@ -540,20 +711,29 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 			c.Name+":", c.Size, 100*float64(c.Size)/float64(rep.gzipBody), rep.gzipBody-c.Size,
 			float64(c.Compress.Nanoseconds())/1e3, float64(c.Decompress.Nanoseconds())/1e3)
 	}
-	if r := find(rep.results, "redis/new-operation"); r != nil && len(rep.gzip) > 0 {
-		cpu := float64(runtime.NumCPU()) * 1e6 / r.OpsPerSec()
-		fmt.Fprintf(w, "  for scale: a redis/new-operation here costs about %.0f µs of CPU (%d cores / %.0f ops/s), server included\n",
-			cpu, runtime.NumCPU(), r.OpsPerSec())
+	if s := rep.row(newOp); s != nil && len(rep.gzip) > 0 {
+		ops := s.ops().Median
+		fmt.Fprintf(w, "  for scale: a %s here costs about %.0f µs of CPU (%d cores / %.0f ops/s), server included\n",
+			newOp, float64(runtime.NumCPU())*1e6/ops, runtime.NumCPU(), ops)
 	}
 
-	fmt.Fprintln(w, "\nBudgets:")
+	fmt.Fprintf(w, "\nBudgets (medians of the run-by-run ratios, min–max over %d runs; rows without @1 run %d concurrent operations):\n", rep.runs, cfg.concurrency)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	for _, c := range budgets(rep) {
-		fmt.Fprintf(w, "  %-4s  %-58s %s\n", c.verdict, c.what, c.got)
+		fmt.Fprintf(tw, "  %s\t%s\t%s\n", c.verdict, c.what, c.got)
+	}
+	tw.Flush()
+	fmt.Fprintln(w, "\nClient cost (heap allocations per operation, medians; to follow, not judged):")
+	for _, c := range clientCosts(rep) {
+		fmt.Fprintf(w, "  %s\n", c)
 	}
 
 	fmt.Fprintln(w, "\nMachine:")
 	fmt.Fprintf(w, "  %s/%s, %d CPUs (GOMAXPROCS %d), %s\n", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.Version())
 	fmt.Fprintf(w, "  Redis %s, %d connections in the pool\n", e.redisVersion, cfg.concurrency)
+	if e.throwaway {
+		fmt.Fprintln(w, "  Redis started by the bench, emptied (FLUSHALL) before every run of every row")
+	}
 	if cfg.replicas > 0 {
 		fmt.Fprintf(w, "  the library's writes confirmed by %d replicas (RedisOptions.Replicas)\n", cfg.replicas)
 	}
@@ -562,55 +742,38 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 	} else {
 		fmt.Fprintf(w, "  %s\n", e.pgSkip)
 	}
-	fmt.Fprintf(w, "  %v per row, %d concurrent operations; client and servers share this machine\n", cfg.duration, cfg.concurrency)
+	fmt.Fprintf(w, "  %d runs of %v per row, %d concurrent operations unless @1; client and servers share this machine\n", cfg.runs, cfg.duration, cfg.concurrency)
+	writeNeighbours(w, rep)
 }
 
-func find(results []*result, name string) *result {
-	for _, r := range results {
-		if r.Name == name && r.Skipped == "" && r.Ops > 0 {
-			return r
+// writeNeighbours says how much CPU the machine's other processes, and the
+// hypervisor's other machines, took during the runs: on a shared machine,
+// the largest source of noise. The postgres rows are left out, since there
+// the other processes include PostgreSQL.
+func writeNeighbours(w io.Writer, rep *report) {
+	var others, steal []float64
+	for _, s := range rep.rows {
+		if strings.HasPrefix(s.Name, "postgres/") {
+			continue
+		}
+		for _, r := range s.Runs {
+			others, steal = append(others, r.Others), append(steal, r.Steal)
 		}
 	}
-	return nil
-}
-
-type check struct{ verdict, what, got string }
-
-// budgets checks the library's performance budgets; a check whose inputs
-// were not measured says n/a.
-func budgets(rep *report) []check {
-	verdict := func(ok bool) string {
-		if ok {
-			return "PASS"
+	quiet := true
+	for _, c := range []struct {
+		what string
+		cpu  spread
+	}{
+		{"other processes used", spreadOf(others)},
+		{"the hypervisor gave other machines (steal)", spreadOf(steal)},
+	} {
+		if !math.IsNaN(c.cpu.Median) {
+			fmt.Fprintf(w, "  %s %.2f of a core in the median run, %.2f at most\n", c.what, c.cpu.Median, c.cpu.Max)
+			quiet = quiet && c.cpu.Max < 0.1
 		}
-		return "MISS"
 	}
-	ratio := func(what, num, den string, want float64) check {
-		a, b := find(rep.results, num), find(rep.results, den)
-		if a == nil || b == nil {
-			return check{"n/a", what, "not measured"}
-		}
-		got := a.OpsPerSec() / b.OpsPerSec()
-		return check{verdict(got >= want), what, fmt.Sprintf("%.2f ×  (%.0f / %.0f ops/s)", got, a.OpsPerSec(), b.OpsPerSec())}
+	if !quiet {
+		fmt.Fprintln(w, "  WARNING: the machine was not quiet: ops/s suffer, and the run-by-run ratios less")
 	}
-	checks := []check{
-		ratio("redis/new-operation ≥ 0.85 × baseline/two-roundtrips", "redis/new-operation", "baseline/two-roundtrips", 0.85),
-		ratio("redis/replay ≥ 0.9 × baseline/one-roundtrip", "redis/replay", "baseline/one-roundtrip", 0.9),
-	}
-	const wake = "redis/wake-up p99 ≤ 2 ms"
-	if r := find(rep.results, "redis/wake-up"); r != nil {
-		p99 := r.Latency.quantile(0.99) / 1e3
-		checks = append(checks, check{verdict(p99 <= 2), wake, fmt.Sprintf("%.2f ms", p99)})
-	} else {
-		checks = append(checks, check{"n/a", wake, "not measured"})
-	}
-	checks = append(checks, ratio("redis/new-operation ≥ 6 × postgres/new-operation", "redis/new-operation", "postgres/new-operation", 6))
-	const mem = "Redis memory per 200-byte record ≤ body + 250 bytes"
-	if len(rep.memory) > 0 {
-		m := rep.memory[0]
-		checks = append(checks, check{verdict(m.Overhead() <= 250), mem, fmt.Sprintf("body + %d bytes", m.Overhead())})
-	} else {
-		checks = append(checks, check{"n/a", mem, rep.memSkip})
-	}
-	return checks
 }

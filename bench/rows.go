@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"io"
 	"net"
 	"net/http"
@@ -26,41 +27,66 @@ type row struct {
 	// concurrency overrides the -concurrency flag when non-zero.
 	concurrency int
 	footnote    string
-	// prepare readies the row (records to replay, say) and returns the
-	// operation to run; a skipped error means the row cannot run here.
-	prepare func(ctx context.Context) (timedOp, error)
+	prepare     prepareFunc
 }
+
+// prepareFunc readies one run of a row (records to replay, say) and
+// returns the operation to run; a skipped error means the row cannot run
+// here. prefix is unique to the run of the row: every key it names starts
+// with it, so that no run meets another's keys.
+type prepareFunc func(ctx context.Context, prefix string) (timedOp, error)
 
 // skipped says why a row cannot run here.
 type skipped string
 
 func (s skipped) Error() string { return string(s) }
 
+// Row names. A name ending in @1 is its row at concurrency 1; the others
+// run at the -concurrency flag's.
+const (
+	one, two                   = "baseline/one-roundtrip", "baseline/two-roundtrips"
+	bareHTTP, httpOne, httpTwo = "baseline/http", "baseline/http-one-roundtrip", "baseline/http-two-roundtrips"
+	newOp, replayOp            = "redis/new-operation", "redis/replay"
+	httpNewOp, httpReplayOp    = "redis/http-new-operation", "redis/http-replay"
+	pgNewOp                    = "postgres/new-operation"
+)
+
+func at1(name string) string { return name + "@1" }
+
+// rows lists every row in the order one run runs them: each library row
+// right after its baseline.
 func (e *env) rows() []row {
-	const (
-		one, two, bareHTTP = "baseline/one-roundtrip", "baseline/two-roundtrips", "baseline/http"
-	)
 	return []row{
-		{name: one, prepare: e.oneRoundTrip},
 		{name: two, prepare: e.twoRoundTrips},
-		{name: "redis/new-operation", baseline: two, prepare: e.newOperation("redis", e.redisGuard, "")},
-		{name: "redis/replay", baseline: one, prepare: e.replay("redis", e.redisGuard, "")},
-		{name: "redis/new-operation+slog", baseline: "redis/new-operation", prepare: e.newOperation("redis-slog", e.slogGuard, ""),
+		{name: newOp, baseline: two, prepare: e.newOperation(e.redisGuard, "")},
+		{name: one, prepare: e.oneRoundTrip},
+		{name: replayOp, baseline: one, prepare: e.replay(e.redisGuard, "")},
+		{name: "redis/new-operation+slog", baseline: newOp, prepare: e.newOperation(e.slogGuard, ""),
 			footnote: "with SlogObserver logging every event as JSON at Debug (to io.Discard)"},
-		{name: "redis/replay+slog", baseline: "redis/replay", prepare: e.replay("redis-slog", e.slogGuard, "")},
-		{name: "redis/new-operation+otel", baseline: "redis/new-operation", prepare: e.newOperation("redis-otel", e.otelGuard, ""),
+		{name: "redis/replay+slog", baseline: replayOp, prepare: e.replay(e.slogGuard, "")},
+		{name: "redis/new-operation+otel", baseline: newOp, prepare: e.newOperation(e.otelGuard, ""),
 			footnote: "with the otel module's Observer on the SDK's meter and tracer providers, every span sampled, nothing exported"},
-		{name: "redis/replay+otel", baseline: "redis/replay", prepare: e.replay("redis-otel", e.otelGuard, "")},
-		{name: bareHTTP, prepare: e.httpRow("/bare", "http-bare-"),
-			footnote: "the same server and client without the middleware"},
-		{name: "redis/http-new-operation", baseline: bareHTTP, prepare: e.httpRow("/guarded", "http-new-")},
-		{name: "redis/http-replay", baseline: bareHTTP, prepare: e.httpReplay},
+		{name: "redis/replay+otel", baseline: replayOp, prepare: e.replay(e.otelGuard, "")},
+		{name: bareHTTP, prepare: e.httpFresh("/bare"),
+			footnote: "for scale: a handler that makes no Redis call, on the same server and client as the HTTP rows"},
+		{name: httpTwo, prepare: e.httpFresh("/two"),
+			footnote: "a handler making the two EVALSHAs of " + two + ", on the same server and client as the HTTP rows"},
+		{name: httpNewOp, baseline: httpTwo, prepare: e.httpFresh("/guarded")},
+		{name: httpOne, prepare: e.httpRecorded("/one"),
+			footnote: "a handler making the EVALSHA of " + one + ", on the same server and client as the HTTP rows"},
+		{name: httpReplayOp, baseline: httpOne, prepare: e.httpRecorded("/guarded")},
+		{name: at1(two), concurrency: 1, prepare: e.twoRoundTrips},
+		{name: at1(newOp), concurrency: 1, baseline: at1(two), prepare: e.newOperation(e.redisGuard, "")},
+		{name: at1(one), concurrency: 1, prepare: e.oneRoundTrip},
+		{name: at1(replayOp), concurrency: 1, baseline: at1(one), prepare: e.replay(e.redisGuard, "")},
+		{name: at1(httpTwo), concurrency: 1, prepare: e.httpFresh("/two")},
+		{name: at1(httpNewOp), concurrency: 1, baseline: at1(httpTwo), prepare: e.httpFresh("/guarded")},
 		{name: "redis/wake-up", concurrency: 1, prepare: e.wakeUp,
 			footnote: "one waiter at a time; from just before the owner's Complete until the waiter's Do returns"},
-		{name: "postgres/new-operation", baseline: two, prepare: e.newOperation("postgres", e.pgGuard, e.pgSkip)},
-		{name: "postgres/replay", baseline: one, prepare: e.replay("postgres", e.pgGuard, e.pgSkip)},
-		{name: "memory/new-operation", baseline: two, prepare: e.newOperation("memory", e.memGuard, "")},
-		{name: "memory/replay", baseline: one, prepare: e.replay("memory", e.memGuard, "")},
+		{name: pgNewOp, baseline: two, prepare: e.newOperation(e.pgGuard, e.pgSkip)},
+		{name: "postgres/replay", baseline: one, prepare: e.replay(e.pgGuard, e.pgSkip)},
+		{name: "memory/new-operation", baseline: two, prepare: onMemory(e.newOperation)},
+		{name: "memory/replay", baseline: one, prepare: onMemory(e.replay)},
 	}
 }
 
@@ -78,9 +104,15 @@ var (
 
 func create(context.Context) (idempotency.Response, error) { return created, nil }
 
+// retention is how long every key of the bench lives, the library's records
+// (the Options default) and the baselines' alike: long enough that none
+// expires while the bench runs, which would cost the server time in some
+// rows and not in others.
+const retention = 24 * time.Hour
+
 // freshKey names a key no other operation uses: w and i are unique within a
-// row, prefix is unique to the row and starts with the run's id. Baseline
-// and library rows build their keys the same way, at the same cost.
+// run of a row, and prefix is unique to that run. Baseline and library rows
+// build their keys the same way, at the same cost.
 func freshKey(prefix string, w, i int) string {
 	var b [64]byte
 	k := append(b[:0], prefix...)
@@ -88,6 +120,19 @@ func freshKey(prefix string, w, i int) string {
 	k = append(k, '-')
 	k = strconv.AppendInt(k, int64(i), 10)
 	return string(k)
+}
+
+// baseKey is the Redis key of a baseline's name, spelled as the library
+// spells a record's, idem:{tag}:0::name with one of 1024 hash tags chosen
+// by a hash of the name, under a prefix of its own: as long as the
+// library's keys, as costly to build, and spread over as many slots.
+func (e *env) baseKey(name string) string {
+	tag := maphash.String(e.seed, name) % 1024
+	b := make([]byte, 0, len(name)+20)
+	b = append(b, "base:{"...)
+	b = strconv.AppendUint(b, tag, 10)
+	b = append(b, "}:0::"...)
+	return string(append(b, name...))
 }
 
 // replayKeys is how many completed records a replay row spreads its reads
@@ -138,38 +183,37 @@ func each(ctx context.Context, count, concurrency int, f func(ctx context.Contex
 // measured against.
 var setNX = redis.NewScript(`if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end return 0`)
 
-func (e *env) runSetNX(ctx context.Context, key string) error {
-	return setNX.Run(ctx, e.redis, []string{key}, "v", 600000).Err()
+// setNXs runs setNX n times in sequence on the key of name.
+func (e *env) setNXs(ctx context.Context, name string, n int) error {
+	keys := []string{e.baseKey(name)}
+	for range n {
+		if err := setNX.Run(ctx, e.redis, keys, "v", retention.Milliseconds()).Err(); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // oneRoundTrip is the floor of a replay: one script on one of a set of
 // existing keys.
-func (e *env) oneRoundTrip(ctx context.Context) (timedOp, error) {
-	keys := keyNames(e.run + "base1-")
-	err := each(ctx, len(keys), e.concurrency, func(ctx context.Context, n int) error { return e.runSetNX(ctx, keys[n]) })
-	return timed(func(ctx context.Context, w, i int) error { return e.runSetNX(ctx, keys[pick(w, i)]) }), err
+func (e *env) oneRoundTrip(ctx context.Context, prefix string) (timedOp, error) {
+	names := keyNames(prefix)
+	err := each(ctx, len(names), e.concurrency, func(ctx context.Context, n int) error { return e.setNXs(ctx, names[n], 1) })
+	return timed(func(ctx context.Context, w, i int) error { return e.setNXs(ctx, names[pick(w, i)], 1) }), err
 }
 
 // twoRoundTrips is the floor of a new operation: two scripts in sequence
 // on a fresh key, the first creating it.
-func (e *env) twoRoundTrips(context.Context) (timedOp, error) {
-	prefix := e.run + "base2-"
-	return timed(func(ctx context.Context, w, i int) error {
-		k := freshKey(prefix, w, i)
-		if err := e.runSetNX(ctx, k); err != nil {
-			return err
-		}
-		return e.runSetNX(ctx, k)
-	}), nil
+func (e *env) twoRoundTrips(_ context.Context, prefix string) (timedOp, error) {
+	return timed(func(ctx context.Context, w, i int) error { return e.setNXs(ctx, freshKey(prefix, w, i), 2) }), nil
 }
 
 // newOperation runs Guard.Do on fresh keys: claim, run, complete.
-func (e *env) newOperation(store string, g *idempotency.Guard, skip string) func(context.Context) (timedOp, error) {
-	return func(context.Context) (timedOp, error) {
+func (e *env) newOperation(g *idempotency.Guard, skip string) prepareFunc {
+	return func(_ context.Context, prefix string) (timedOp, error) {
 		if g == nil {
 			return nil, skipped(skip)
 		}
-		prefix := e.run + store + "-new-"
 		return timed(func(ctx context.Context, w, i int) error {
 			r, err := g.Do(ctx, idempotency.Key{Name: freshKey(prefix, w, i)}, fp, create)
 			if err == nil && r.Replayed {
@@ -181,23 +225,34 @@ func (e *env) newOperation(store string, g *idempotency.Guard, skip string) func
 }
 
 // replay runs Guard.Do on completed keys.
-func (e *env) replay(store string, g *idempotency.Guard, skip string) func(context.Context) (timedOp, error) {
-	return func(ctx context.Context) (timedOp, error) {
+func (e *env) replay(g *idempotency.Guard, skip string) prepareFunc {
+	return func(ctx context.Context, prefix string) (timedOp, error) {
 		if g == nil {
 			return nil, skipped(skip)
 		}
-		keys := keyNames(e.run + store + "-replay-")
-		err := each(ctx, len(keys), e.concurrency, func(ctx context.Context, n int) error {
-			_, err := g.Do(ctx, idempotency.Key{Name: keys[n]}, fp, create)
+		names := keyNames(prefix)
+		err := each(ctx, len(names), e.concurrency, func(ctx context.Context, n int) error {
+			_, err := g.Do(ctx, idempotency.Key{Name: names[n]}, fp, create)
 			return err
 		})
 		return timed(func(ctx context.Context, w, i int) error {
-			r, err := g.Do(ctx, idempotency.Key{Name: keys[pick(w, i)]}, fp, create)
+			r, err := g.Do(ctx, idempotency.Key{Name: names[pick(w, i)]}, fp, create)
 			if err == nil && !r.Replayed {
 				err = errors.New("a completed key ran again")
 			}
 			return err
 		}), err
+	}
+}
+
+// onMemory gives each run of a memory row a Guard on an empty memory
+// store: once the run ends its records are garbage, not live heap that
+// every later row's collections would have to mark.
+func onMemory(rowOf func(*idempotency.Guard, string) prepareFunc) prepareFunc {
+	return func(ctx context.Context, prefix string) (timedOp, error) {
+		// Every new operation of a run must fit: a full memory store refuses.
+		s := idempotency.NewMemoryStore(idempotency.MemoryOptions{MaxRecords: 1 << 24})
+		return rowOf(idempotency.New(s, idempotency.Options{Retention: retention}), "")(ctx, prefix)
 	}
 }
 
@@ -207,6 +262,19 @@ func handle(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(created.Status)
 	_, _ = w.Write(created.Body)
+}
+
+// setNXHandler is the HTTP floor of the library: handle, after n
+// setNX round trips on the request's key, as the baseline rows make them.
+func (e *env) setNXHandler(n int) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		if err := e.setNXs(r.Context(), r.Header.Get(idempotency.HeaderKey), n); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		handle(w, r)
+	}
 }
 
 // post sends the benchmark's request to path under key and checks the
@@ -235,25 +303,28 @@ func (e *env) post(ctx context.Context, path, key string, replayed bool) error {
 	return nil
 }
 
-// httpRow posts to path with fresh keys.
-func (e *env) httpRow(path, prefix string) func(context.Context) (timedOp, error) {
-	return func(context.Context) (timedOp, error) {
-		prefix := e.run + prefix
+// httpFresh posts to path with fresh keys.
+func (e *env) httpFresh(path string) prepareFunc {
+	return func(_ context.Context, prefix string) (timedOp, error) {
 		return timed(func(ctx context.Context, w, i int) error {
 			return e.post(ctx, path, freshKey(prefix, w, i), false)
 		}), nil
 	}
 }
 
-// httpReplay posts requests whose records the middleware completed.
-func (e *env) httpReplay(ctx context.Context) (timedOp, error) {
-	keys := keyNames(e.run + "http-replay-")
-	err := each(ctx, len(keys), e.concurrency, func(ctx context.Context, n int) error {
-		return e.post(ctx, "/guarded", keys[n], false)
-	})
-	return timed(func(ctx context.Context, w, i int) error {
-		return e.post(ctx, "/guarded", keys[pick(w, i)], true)
-	}), err
+// httpRecorded posts to path once with each of a set of keys, then again
+// with those keys: the middleware (/guarded) then replays what it recorded.
+func (e *env) httpRecorded(path string) prepareFunc {
+	return func(ctx context.Context, prefix string) (timedOp, error) {
+		names := keyNames(prefix)
+		err := each(ctx, len(names), e.concurrency, func(ctx context.Context, n int) error {
+			return e.post(ctx, path, names[n], false)
+		})
+		replayed := path == "/guarded"
+		return timed(func(ctx context.Context, w, i int) error {
+			return e.post(ctx, path, names[pick(w, i)], replayed)
+		}), err
+	}
 }
 
 // waker makes the wake-up samples: an owner claims a fresh key through the
@@ -303,12 +374,11 @@ func (e *env) newWaker() (*waker, error) {
 	return &waker{ownerClient: oc, owner: owner, waiter: g, registered: registered}, nil
 }
 
-func (e *env) wakeUp(context.Context) (timedOp, error) {
+func (e *env) wakeUp(_ context.Context, prefix string) (timedOp, error) {
 	wk, err := e.newWaker()
 	if err != nil {
 		return nil, err
 	}
-	prefix := e.run + "wake-"
 	return func(ctx context.Context, w, i int) (time.Duration, error) {
 		return wk.sample(ctx, freshKey(prefix, w, i))
 	}, nil
