@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idempotency-go/idempotency/internal/faultproxy"
 	"github.com/idempotency-go/idempotency/internal/testserver"
 )
 
@@ -383,6 +384,100 @@ func TestRedisClaimRunTwice(t *testing.T) {
 		assert.Equal(t, "op_first", again.OperationID)
 		assert.Equal(t, 2, again.Attempt)
 	})
+}
+
+// A completion run twice (go-redis resends a script whose reply was lost)
+// finds its own response stored and succeeds; another outcome is fenced. A
+// release or forget run twice is fenced the second time, as the Store
+// contract allows: the caller owns nothing any more.
+func TestRedisSettleRunTwice(t *testing.T) {
+	redisBackends(t, func(t *testing.T, c *redis.Client) {
+		s := newRedisStore(t, c)
+		ctx := context.Background()
+		fp := FingerprintOf("op", nil)
+		claim := func(name string) Claim {
+			c, err := s.Claim(ctx, ClaimRequest{Key: Key{Name: name}, Fingerprint: fp, OperationID: "op_" + name, Lease: time.Minute, Retention: time.Hour})
+			require.NoError(t, err)
+			require.Equal(t, Owner, c.State)
+			return c
+		}
+		resp := Response{Status: 201, Body: []byte("charged")}
+
+		c1 := claim("complete")
+		require.NoError(t, s.Complete(ctx, Key{Name: "complete"}, c1.Token, resp, time.Hour))
+		require.NoError(t, s.Complete(ctx, Key{Name: "complete"}, c1.Token, resp, time.Hour), "the same completion again")
+		require.ErrorIs(t, s.Complete(ctx, Key{Name: "complete"}, c1.Token, Response{Status: 201, Body: []byte("other")}, time.Hour),
+			ErrFenced, "another outcome for a settled record")
+		replay, err := s.Claim(ctx, ClaimRequest{Key: Key{Name: "complete"}, Fingerprint: fp, OperationID: "op_next", Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
+		assert.Equal(t, "charged", string(replay.Response.Body))
+
+		c2 := claim("release")
+		require.NoError(t, s.Release(ctx, Key{Name: "release"}, c2.Token))
+		require.ErrorIs(t, s.Release(ctx, Key{Name: "release"}, c2.Token), ErrFenced, "a release again")
+		taker := claim("release")
+		assert.Equal(t, 2, taker.Attempt, "released once")
+
+		c3 := claim("forget")
+		require.NoError(t, s.Forget(ctx, Key{Name: "forget"}, c3.Token))
+		require.ErrorIs(t, s.Forget(ctx, Key{Name: "forget"}, c3.Token), ErrFenced, "a forget again")
+	})
+}
+
+// A settling call whose reply is lost after redis-server applied it is
+// resent by go-redis. A completion's resend finds its own outcome stored and
+// succeeds, where it used to answer ErrFenced for the outcome it had stored
+// (found by idempotencytest/linearizable under link faults). A release's or
+// forget's resend is fenced, as the Store contract allows, and the change
+// stands.
+func TestRedisLostSettleReply(t *testing.T) {
+	srv := testserver.StartRedis(t)
+	p := faultproxy.Start(t, srv.Addr)
+	c := redis.NewClient(&redis.Options{Addr: p.Addr()})
+	t.Cleanup(func() { c.Close() })
+	s := newRedisStore(t, c)
+	ctx := context.Background()
+	fp := FingerprintOf("op", nil)
+	for _, settle := range []string{"complete", "release", "forget"} {
+		// The scripts are loaded first: the reply lost must be the
+		// script's, not a NOSCRIPT answer to be followed by its source.
+		warm := Key{Name: "warm-" + settle}
+		w, err := s.Claim(ctx, ClaimRequest{Key: warm, Fingerprint: fp, OperationID: "op", Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
+		require.NoError(t, s.Complete(ctx, warm, w.Token, Response{Status: 201}, time.Hour))
+		w, err = s.Claim(ctx, ClaimRequest{Key: Key{Name: "warm2-" + settle}, Fingerprint: fp, OperationID: "op", Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
+		require.NoError(t, s.Release(ctx, Key{Name: "warm2-" + settle}, w.Token))
+		w, err = s.Claim(ctx, ClaimRequest{Key: Key{Name: "warm3-" + settle}, Fingerprint: fp, OperationID: "op", Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
+		require.NoError(t, s.Forget(ctx, Key{Name: "warm3-" + settle}, w.Token))
+
+		k := Key{Name: settle}
+		cl, err := s.Claim(ctx, ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op", Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
+		p.ResetOnNextRequest(true)
+		switch settle {
+		case "complete":
+			require.NoError(t, s.Complete(ctx, k, cl.Token, Response{Status: 201}, time.Hour))
+		case "release":
+			require.ErrorIs(t, s.Release(ctx, k, cl.Token), ErrFenced)
+		default:
+			require.ErrorIs(t, s.Forget(ctx, k, cl.Token), ErrFenced)
+		}
+		next, err := s.Claim(ctx, ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op_next", Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
+		switch settle {
+		case "complete":
+			assert.Equal(t, Completed, next.State)
+		case "release":
+			assert.Equal(t, Owner, next.State)
+			assert.Equal(t, 2, next.Attempt, "the release was applied")
+			assert.False(t, next.Abandoned, "the release was applied")
+		default:
+			assert.Equal(t, Owner, next.State)
+			assert.Equal(t, 1, next.Attempt, "the forget was applied")
+		}
+	}
 }
 
 // A completed record is one compact string; its replay still carries the

@@ -13,6 +13,12 @@ import (
 // state machine, judged by the store's own clock; implementations must pass
 // the conformance suite in package idempotencytest. Errors other than
 // ErrFenced must wrap ErrUnavailable.
+//
+// A store whose client resends a call whose reply was lost (go-redis does)
+// answers for the resend. A Complete resent finds its own response stored
+// and succeeds. A Release, Forget, Heartbeat or Abandon resent after its
+// first send applied may answer ErrFenced: the caller owns nothing now,
+// which is all its caller acts on, though the change was made.
 type Store interface {
 	// Claim applies a claim to the record of req.Key:
 	//   - no record: create it in flight, attempt 1, a new token, and

@@ -5,6 +5,13 @@
 local rec = KEYS[1]
 local v, op, _, _, _, waited = owned(rec, ARGV[1])
 if not v then
+  -- A client resends a script whose reply was lost (go-redis does, after a
+  -- network error). Finding this very response stored, the resend answers
+  -- as the first send did: the outcome the caller holds is the one kept.
+  v = redis.call('GET', rec)
+  if v and state(v) == COMPLETED and response(v) == ARGV[2] then
+    return 1
+  end
   return fenced()
 end
 redis.call('SET', rec, completed(v, op, ARGV[2]), 'PX', ARGV[3])

@@ -51,6 +51,11 @@ local function completed(v, op, response)
   return COMPLETED .. string.sub(v, FINGERPRINT_FIRST, OP_LEN_AT + #op) .. response
 end
 
+-- response is the stored response of v, a completed record.
+local function response(v)
+  return string.sub(v, OP_LEN_AT + 1 + string.byte(v, OP_LEN_AT))
+end
+
 -- owned reads the record at rec and returns it, decoded, when it is in
 -- flight under token, and nothing otherwise.
 local function owned(rec, token)

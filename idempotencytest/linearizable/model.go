@@ -121,22 +121,27 @@ func step(r record, in input, out output) []record {
 	case claim:
 		return claimStep(r, in, out)
 	case complete:
-		return owned(r, out, in.token, func(r record) record {
+		if r.phase == completed && r.resp == in.resp && !out.fenced {
+			// Its resend, or anyone's completion with the outcome stored:
+			// the caller holds what is kept (see the Store contract).
+			return []record{r}
+		}
+		return owned(r, in, out, func(r record) record {
 			return record{phase: completed, fp: r.fp, opID: r.opID, last: r.last, resp: in.resp}
 		})
 	case release:
-		return owned(r, out, in.token, func(r record) record {
+		return owned(r, in, out, func(r record) record {
 			return record{phase: released, fp: r.fp, opID: r.opID, attempt: r.attempt, last: r.last}
 		})
 	case forget:
-		return owned(r, out, in.token, func(r record) record { return record{last: r.last} })
+		return owned(r, in, out, func(r record) record { return record{last: r.last} })
 	case heartbeat:
-		return owned(r, out, in.token, func(r record) record {
+		return owned(r, in, out, func(r record) record {
 			r.leaseFrom, r.leaseTo = in.from+in.lease, in.to+in.lease
 			return r
 		})
 	case abandon:
-		return owned(r, out, in.token, func(r record) record {
+		return owned(r, in, out, func(r record) record {
 			r.leaseFrom, r.leaseTo = in.from, in.to
 			return r
 		})
@@ -146,7 +151,16 @@ func step(r record, in input, out output) []record {
 
 // owned is a call by the owner of token: it changes r if token owns the
 // record, however long ago its lease ran out, and is fenced otherwise.
-func owned(r record, out output, token uint64, change func(record) record) []record {
+// Only Complete is exact about ErrFenced (and may succeed on a record that
+// holds its response already): the Store contract lets a store whose client
+// resends a call whose reply was lost answer ErrFenced to a Release,
+// Forget, Heartbeat or Abandon that its first send applied, so for them
+// ErrFenced means that the change may or may not have been made.
+func owned(r record, in input, out output, change func(record) record) []record {
+	token := in.token
+	if out.fenced && in.verb != complete {
+		out.fenced, out.unknown = false, true
+	}
 	owns := r.phase == inFlight && r.token == token
 	switch {
 	case out.unknown && owns:
