@@ -15,10 +15,13 @@ import (
 // ErrFenced must wrap ErrUnavailable.
 //
 // A store whose client resends a call whose reply was lost (go-redis does)
-// answers for the resend. A Complete resent finds its own response stored
-// and succeeds. A Release, Forget, Heartbeat or Abandon resent after its
-// first send applied may answer ErrFenced: the caller owns nothing now,
-// which is all its caller acts on, though the change was made.
+// answers for the resend. A Claim resent recognises the record it made or
+// took over, while nobody took it over since; a Complete resent finds its
+// own response stored and succeeds. Otherwise the resend answers as a
+// call made then would: a Claim whose lease ran out and was taken over
+// meanwhile gets InFlight (its record is taken over as abandoned, though
+// nothing ran under it), and a Release, Forget, Heartbeat or Abandon
+// ErrFenced, the caller owning nothing now, though its change was made.
 type Store interface {
 	// Claim applies a claim to the record of req.Key:
 	//   - no record: create it in flight, attempt 1, a new token, and

@@ -55,14 +55,20 @@ func TestPostgresStore(t *testing.T) {
 // history runs: the calls that fail with ErrUnavailable may or may not have
 // taken effect, and every answer that does come back must still fit.
 //
-// The client has go-redis's default options, whose retries send a script
-// again when its reply was lost: the settling scripts must recognise their
-// own resend. (Before they did, this check found a completion answered
-// ErrFenced, "nothing changed", for the outcome it had stored.)
+// The client does not retry (MaxRetries -1). go-redis's retries send a
+// script again when its reply was lost, and a call's two sends cannot be
+// one point of a linearizable history once another call lands between
+// them: a claim whose first send made the record, resent after its lease
+// ran out and another claim took over, answers InFlight; a renewal or
+// release resent so answers ErrFenced. The Store contract allows those
+// answers (they leave the record as safe as a lost reply does), and
+// TestRedisSettleRunTwice and TestRedisLostSettleReply in the root package
+// check the resends. With retries this check found a completion answering
+// ErrFenced for the outcome it had stored; that resend now succeeds.
 func TestRedisStoreUnderFaults(t *testing.T) {
 	srv := testserver.StartRedis(t)
 	proxy := faultproxy.Start(t, srv.Addr)
-	store := redisStore(t, redis.NewClient(&redis.Options{Addr: proxy.Addr()}))
+	store := redisStore(t, redis.NewClient(&redis.Options{Addr: proxy.Addr(), MaxRetries: -1}))
 
 	ctx, stop := context.WithCancel(t.Context())
 	var faults map[string]int
