@@ -72,17 +72,30 @@ func TestStripeGoLostReply(t *testing.T) {
 	var arr arrivals
 	srv := serve(t, arr.wrap(newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{})(refunds(l))))
 	link := faultproxy.Start(t, srv.Listener.Addr().String())
-	link.ResetOnNextRequest(true)
-
 	sc := newStripeClient("http://"+link.Addr(), stripe.DefaultMaxNetworkRetries)
-	refund, err := sc.V1Refunds.Create(context.Background(), refundParams(""))
-	require.NoError(t, err)
-	assert.Equal(t, "re_1", refund.ID)
+
+	// On a loaded machine the proxy may miss its moment (the whole exchange
+	// goes through): then the refund ran once, unreplayed, and the case is
+	// tried again under a new key until the reply is lost.
+	var refund *stripe.Refund
+	var got []arrival
+	for try := 1; ; try++ {
+		before := len(arr.all())
+		link.ResetOnNextRequest(true)
+		var err error
+		refund, err = sc.V1Refunds.Create(context.Background(), refundParams(""))
+		require.NoError(t, err)
+		got = arr.all()[before:]
+		if len(got) > 1 || try == 5 {
+			break
+		}
+		t.Logf("try %d: the reply was not lost", try)
+	}
+	assert.Equal(t, fmt.Sprintf("re_%d", l.made()), refund.ID)
 	assert.EqualValues(t, 500, refund.Amount)
 	assert.Equal(t, "ch_paid", refund.Charge.ID)
 	assert.Equal(t, "true", refund.LastResponse.Header.Get("Idempotent-Replayed"))
 
-	got := arr.all()
 	require.Len(t, got, 2)
 	assert.NotEmpty(t, got[0].key)
 	assert.Equal(t, got[0], got[1], "the retry is the same request")
@@ -91,7 +104,6 @@ func TestStripeGoLostReply(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, url.Values{"amount": {"500"}, "charge": {"ch_paid"}}, form)
 	assert.Equal(t, 1, l.ran(got[0].key))
-	assert.Equal(t, 1, l.made())
 }
 
 // firstOutcome closes seen when the first event with its outcome is
