@@ -30,6 +30,11 @@ if st == COMPLETED then
   -- Replays cost no clock read.
   return v
 end
+if st ~= IN_FLIGHT and st ~= RELEASED then
+  -- Not a record this version writes (another program's value, or a newer
+  -- version's state): taken over, it would run the operation again.
+  return redis.error_reply('RECORD state ' .. string.format('%q', st) .. ' unknown')
+end
 local op, deadline, token, attempt, abandoned, waited, claimer = decode(v)
 if st == IN_FLIGHT and (claimer == '' and op or claimer) == id then
   -- This very claim ran before and its reply was lost (a client retries a
