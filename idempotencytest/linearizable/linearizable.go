@@ -151,26 +151,29 @@ func Check(t testing.TB, store idempotency.Store, opts Options) Result {
 
 // answer names the kind of a call's answer, for the log.
 func answer(in input, out output) string {
-	var a string
+	return in.verb.String() + " " + kind(in, out)
+}
+
+// kind is what a call's answer was: unknown, fenced, ok, or for a claim
+// takeover, owner, in flight, completed or mismatch.
+func kind(in input, out output) string {
 	switch {
 	case out.unknown:
-		a = "unknown"
+		return "unknown"
 	case out.fenced:
-		a = "fenced"
+		return "fenced"
 	case in.verb != claim:
-		a = "ok"
+		return "ok"
 	case out.state == idempotency.Owner && out.attempt > 1:
-		a = "takeover"
+		return "takeover"
 	case out.state == idempotency.Owner:
-		a = "owner"
+		return "owner"
 	case out.state == idempotency.InFlight:
-		a = "in flight"
+		return "in flight"
 	case out.state == idempotency.Completed:
-		a = "completed"
-	default:
-		a = "mismatch"
+		return "completed"
 	}
-	return in.verb.String() + " " + a
+	return "mismatch"
 }
 
 // listing writes ops one a line, by start: client, window, call and answer.

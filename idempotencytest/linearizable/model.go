@@ -262,22 +262,14 @@ func describeCall(in input, out output) string {
 	default:
 		call = fmt.Sprintf("%s %v #%d", in.key, in.verb, in.token)
 	}
-	var answer string
-	switch {
-	case out.unknown:
-		answer = "unknown"
-	case out.fenced:
-		answer = "fenced"
-	case in.verb != claim:
-		answer = "ok"
-	case out.state == idempotency.Owner:
+	answer := kind(in, out)
+	switch answer {
+	case "owner", "takeover":
 		answer = fmt.Sprintf("owner #%d of %s, attempt %d, abandoned %t", out.token, out.opID, out.attempt, out.abandoned)
-	case out.state == idempotency.InFlight:
+	case "in flight":
 		answer = fmt.Sprintf("in flight, %v left", time.Duration(out.leaseLeft))
-	case out.state == idempotency.Completed:
+	case "completed":
 		answer = fmt.Sprintf("completed %s: %s", out.opID, out.resp)
-	default:
-		answer = "mismatch"
 	}
 	return call + " → " + answer
 }
