@@ -1,0 +1,81 @@
+// Package report lets the reliability suite's tests, in every module of the
+// workspace, leave one line each of what they tried and what they found, so
+// that one summary can be printed at the end of a run (see summary/).
+//
+// A test calls Add. Nothing is written unless the environment variable
+// IDEMPOTENCY_REPORT names a file; each entry is appended to it as one JSON
+// line, so test binaries running in parallel can share the file.
+package report
+
+import (
+	"encoding/json"
+	"os"
+	"testing"
+)
+
+// Env is the environment variable naming the file entries are appended to.
+const Env = "IDEMPOTENCY_REPORT"
+
+// Entry is what one test tried and what it found. Counts a test does not
+// measure stay zero; the summary adds them up by suite and store.
+type Entry struct {
+	// Suite names the part of the reliability suite: "faults",
+	// "restarts", "linearizable", "hostile", "soak", "fuzz".
+	Suite string `json:"suite"`
+	// Store is the store the test ran against: "memory", "redis",
+	// "redis-cluster", "postgres".
+	Store string `json:"store,omitempty"`
+	// Case names the test or the scenario.
+	Case string `json:"case,omitempty"`
+	// Faults counts the faults injected, by kind ("latency", "reset",
+	// "timeout", "partition", "kill", "sigstop", ...).
+	Faults map[string]int `json:"faults,omitempty"`
+	// Operations counts the operations (or store calls) attempted.
+	Operations int `json:"operations,omitempty"`
+	// Duplicates counts the requests that repeated an earlier one's key.
+	Duplicates int `json:"duplicates,omitempty"`
+	// DoubleExecutions counts operations that ran more than once while
+	// another attempt could still have been running, or charged twice.
+	DoubleExecutions int `json:"double_executions"`
+	// LostCompletions counts completed outcomes lost or replaced.
+	LostCompletions int `json:"lost_completions"`
+	// StrandedWaiters counts waiters that were never answered.
+	StrandedWaiters int `json:"stranded_waiters"`
+	// Linearizable is porcupine's verdict: "Ok", "Illegal" or "Unknown".
+	Linearizable string `json:"linearizable,omitempty"`
+	// PeakHeap is the heap's peak above its start, in bytes.
+	PeakHeap uint64 `json:"peak_heap,omitempty"`
+	// FuzzExecs counts a fuzz target's executions.
+	FuzzExecs int64 `json:"fuzz_execs,omitempty"`
+	// Notes is anything else worth a line in the summary (a measured
+	// tail latency, what a restart lost).
+	Notes string `json:"notes,omitempty"`
+}
+
+// Add appends e to the report file, if IDEMPOTENCY_REPORT names one, and
+// fails t if it cannot. Without the variable it does nothing, so tests run
+// by hand leave nothing behind.
+func Add(t testing.TB, e Entry) {
+	t.Helper()
+	path := os.Getenv(Env)
+	if path == "" {
+		return
+	}
+	if e.Case == "" {
+		e.Case = t.Name()
+	}
+	line, err := json.Marshal(e)
+	if err != nil {
+		t.Fatalf("report: %v", err)
+	}
+	// One write of one line with O_APPEND: lines from test binaries
+	// running at once do not interleave.
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
+	if err != nil {
+		t.Fatalf("report: %v", err)
+	}
+	defer f.Close()
+	if _, err := f.Write(append(line, '\n')); err != nil {
+		t.Fatalf("report: %v", err)
+	}
+}

@@ -1,0 +1,171 @@
+// Command summary prints the reliability suite's one summary from the file
+// the tests appended to (see package report), and exits with status 1 if it
+// shows a double execution, a lost or replaced completion, a stranded waiter
+// or a history that is not linearizable.
+//
+//	IDEMPOTENCY_REPORT=/tmp/r go test ./...
+//	go run ./internal/report/summary /tmp/r
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"sort"
+	"strings"
+
+	"github.com/idempotency-go/idempotency/internal/report"
+)
+
+func main() {
+	if len(os.Args) != 2 {
+		fmt.Fprintln(os.Stderr, "usage: summary REPORT-FILE")
+		os.Exit(2)
+	}
+	f, err := os.Open(os.Args[1])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	defer f.Close()
+	entries, err := read(f)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	if !summarize(os.Stdout, entries) {
+		os.Exit(1)
+	}
+}
+
+func read(r io.Reader) ([]report.Entry, error) {
+	var entries []report.Entry
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	for n := 1; sc.Scan(); n++ {
+		var e report.Entry
+		if err := json.Unmarshal(sc.Bytes(), &e); err != nil {
+			return nil, fmt.Errorf("line %d: %w", n, err)
+		}
+		entries = append(entries, e)
+	}
+	return entries, sc.Err()
+}
+
+// group is the entries of one suite on one store, added up.
+type group struct {
+	suite, store string
+	cases        int
+	faults       map[string]int
+	report.Entry
+	verdicts map[string]int
+}
+
+// summarize writes the summary to w and reports whether every guarantee
+// held.
+func summarize(w io.Writer, entries []report.Entry) bool {
+	groups := map[[2]string]*group{}
+	var fuzzTargets int
+	var fuzzExecs int64
+	var notes []string
+	for _, e := range entries {
+		if e.Suite == "fuzz" {
+			fuzzTargets++
+			fuzzExecs += e.FuzzExecs
+			continue
+		}
+		k := [2]string{e.Suite, e.Store}
+		g := groups[k]
+		if g == nil {
+			g = &group{suite: e.Suite, store: e.Store, faults: map[string]int{}, verdicts: map[string]int{}}
+			groups[k] = g
+		}
+		g.cases++
+		for kind, n := range e.Faults {
+			g.faults[kind] += n
+		}
+		g.Operations += e.Operations
+		g.Duplicates += e.Duplicates
+		g.DoubleExecutions += e.DoubleExecutions
+		g.LostCompletions += e.LostCompletions
+		g.StrandedWaiters += e.StrandedWaiters
+		g.PeakHeap = max(g.PeakHeap, e.PeakHeap)
+		if e.Linearizable != "" {
+			g.verdicts[e.Linearizable]++
+		}
+		if e.Notes != "" {
+			notes = append(notes, fmt.Sprintf("%s/%s %s: %s", e.Suite, e.Store, e.Case, e.Notes))
+		}
+	}
+	keys := make([][2]string, 0, len(groups))
+	for k := range groups {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool {
+		if keys[i][0] != keys[j][0] {
+			return keys[i][0] < keys[j][0]
+		}
+		return keys[i][1] < keys[j][1]
+	})
+
+	ok := true
+	var double, lost, stranded, histories int
+	fmt.Fprintln(w, "reliability summary")
+	fmt.Fprintf(w, "%-13s %-14s %5s %10s %10s %6s %5s %8s  %s\n",
+		"suite", "store", "cases", "operations", "duplicates", "double", "lost", "stranded", "faults / verdicts / peak heap")
+	for _, k := range keys {
+		g := groups[k]
+		var extra []string
+		if len(g.faults) > 0 {
+			extra = append(extra, "faults "+counts(g.faults))
+		}
+		if len(g.verdicts) > 0 {
+			extra = append(extra, "linearizable "+counts(g.verdicts))
+			for v, n := range g.verdicts {
+				histories += n
+				if v != "Ok" {
+					ok = false
+				}
+			}
+		}
+		if g.PeakHeap > 0 {
+			extra = append(extra, fmt.Sprintf("peak heap %.1f MiB", float64(g.PeakHeap)/(1<<20)))
+		}
+		fmt.Fprintf(w, "%-13s %-14s %5d %10d %10d %6d %5d %8d  %s\n",
+			g.suite, g.store, g.cases, g.Operations, g.Duplicates,
+			g.DoubleExecutions, g.LostCompletions, g.StrandedWaiters, strings.Join(extra, "; "))
+		double += g.DoubleExecutions
+		lost += g.LostCompletions
+		stranded += g.StrandedWaiters
+	}
+	fmt.Fprintf(w, "fuzz: %d targets, %d executions\n", fuzzTargets, fuzzExecs)
+	for _, n := range notes {
+		fmt.Fprintln(w, "note:", n)
+	}
+	if double+lost+stranded > 0 {
+		ok = false
+	}
+	verdict := "PASS"
+	if !ok {
+		verdict = "FAIL"
+	}
+	fmt.Fprintf(w, "%s: %d double executions, %d lost or replaced completions, %d stranded waiters, %d histories checked\n",
+		verdict, double, lost, stranded, histories)
+	return ok
+}
+
+// counts spells a count by kind, kinds in order: "kill 3, reset 12".
+func counts(m map[string]int) string {
+	kinds := make([]string, 0, len(m))
+	for k := range m {
+		kinds = append(kinds, k)
+	}
+	sort.Strings(kinds)
+	parts := make([]string, len(kinds))
+	for i, k := range kinds {
+		parts[i] = fmt.Sprintf("%s %d", k, m[k])
+	}
+	return strings.Join(parts, ", ")
+}

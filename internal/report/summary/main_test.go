@@ -1,0 +1,53 @@
+package main
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestSummarize(t *testing.T) {
+	in := `{"suite":"faults","store":"redis","case":"A","faults":{"reset":3},"operations":10,"duplicates":4}
+{"suite":"faults","store":"redis","case":"B","faults":{"reset":2,"latency":1},"operations":5}
+{"suite":"linearizable","store":"postgres","linearizable":"Ok","operations":100}
+{"suite":"hostile","store":"redis","peak_heap":2097152}
+{"suite":"fuzz","case":"FuzzA","fuzz_execs":1000}
+{"suite":"fuzz","case":"FuzzB","fuzz_execs":500}
+`
+	entries, err := read(strings.NewReader(in))
+	require.NoError(t, err)
+	var out strings.Builder
+	assert.True(t, summarize(&out, entries))
+	s := out.String()
+	assert.Contains(t, s, "faults latency 1, reset 5")
+	assert.Regexp(t, `faults\s+redis\s+2\s+15\s+4\s+0\s+0\s+0`, s)
+	assert.Contains(t, s, "linearizable Ok 1")
+	assert.Contains(t, s, "peak heap 2.0 MiB")
+	assert.Contains(t, s, "fuzz: 2 targets, 1500 executions")
+	assert.Contains(t, s, "PASS: 0 double executions")
+}
+
+func TestSummarizeFails(t *testing.T) {
+	for name, line := range map[string]string{
+		"double":        `{"suite":"soak","store":"redis","double_executions":1}`,
+		"lost":          `{"suite":"restarts","store":"redis","lost_completions":2}`,
+		"stranded":      `{"suite":"faults","store":"postgres","stranded_waiters":1}`,
+		"illegal":       `{"suite":"linearizable","store":"redis","linearizable":"Illegal"}`,
+		"check timeout": `{"suite":"linearizable","store":"redis","linearizable":"Unknown"}`,
+	} {
+		t.Run(name, func(t *testing.T) {
+			entries, err := read(strings.NewReader(line + "\n"))
+			require.NoError(t, err)
+			var out strings.Builder
+			assert.False(t, summarize(&out, entries))
+			assert.Contains(t, out.String(), "FAIL:")
+		})
+	}
+}
+
+func TestReadRejectsGarbage(t *testing.T) {
+	_, err := read(strings.NewReader("{\"suite\":\"x\"}\nnot json\n"))
+	assert.ErrorContains(t, err, "line 2")
+}
