@@ -27,12 +27,3 @@ func TestAdd(t *testing.T) {
 	assert.Equal(t, Entry{Suite: "faults", Store: "redis", Case: "TestAdd", Faults: map[string]int{"reset": 2}, Operations: 7}, first)
 	assert.Equal(t, "FuzzX", second.Case, "a case given is kept")
 }
-
-func TestAddWithoutFile(t *testing.T) {
-	dir := t.TempDir()
-	t.Setenv(Env, "")
-	Add(t, Entry{Suite: "faults"})
-	names, err := os.ReadDir(dir)
-	require.NoError(t, err)
-	assert.Empty(t, names)
-}
