@@ -9,6 +9,7 @@ package report
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"testing"
 )
@@ -53,29 +54,38 @@ type Entry struct {
 }
 
 // Add appends e to the report file, if IDEMPOTENCY_REPORT names one, and
-// fails t if it cannot. Without the variable it does nothing, so tests run
-// by hand leave nothing behind.
+// fails t if it cannot. An empty Case is t's name. Without the variable it
+// does nothing, so tests run by hand leave nothing behind.
 func Add(t testing.TB, e Entry) {
 	t.Helper()
-	path := os.Getenv(Env)
-	if path == "" {
-		return
-	}
 	if e.Case == "" {
 		e.Case = t.Name()
 	}
+	if err := Write(e); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Write appends e to the report file, if IDEMPOTENCY_REPORT names one; it
+// is Add for a program that is not a test (the soak command).
+func Write(e Entry) error {
+	path := os.Getenv(Env)
+	if path == "" {
+		return nil
+	}
 	line, err := json.Marshal(e)
 	if err != nil {
-		t.Fatalf("report: %v", err)
+		return fmt.Errorf("report: %w", err)
 	}
 	// One write of one line with O_APPEND: lines from test binaries
 	// running at once do not interleave.
 	f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
 	if err != nil {
-		t.Fatalf("report: %v", err)
+		return fmt.Errorf("report: %w", err)
 	}
-	defer f.Close()
 	if _, err := f.Write(append(line, '\n')); err != nil {
-		t.Fatalf("report: %v", err)
+		f.Close()
+		return fmt.Errorf("report: %w", err)
 	}
+	return f.Close()
 }
