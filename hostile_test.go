@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idempotency-go/idempotency"
+	"github.com/idempotency-go/idempotency/internal/report"
 )
 
 // heapPeak samples the heap in use until stop is called, and returns its
@@ -125,6 +126,7 @@ func TestHostileRequests(t *testing.T) {
 	}
 	deep := strings.Repeat("[", 10000) + strings.Repeat("]", 10000)
 	stop := heapPeak()
+	cases := 0
 	for _, c := range []struct {
 		name   string
 		send   func() int
@@ -157,6 +159,7 @@ func TestHostileRequests(t *testing.T) {
 		{"a malformed form", func() int { return post([]string{"k8"}, "application/x-www-form-urlencoded", "a=%zz&%").StatusCode }, 201, true},
 		{"a handler that writes 100 MiB", func() int { return post([]string{"k9"}, "", "a", "X-Write", "100MiB").StatusCode }, 200, true},
 	} {
+		cases++
 		before := runs.Load()
 		assert.Equal(t, c.status, c.send(), c.name)
 		assert.Equal(t, c.ran, runs.Load() > before, "%s: the handler ran", c.name)
@@ -173,6 +176,7 @@ func TestHostileRequests(t *testing.T) {
 	assert.Equal(t, "too-large", resp.Header.Get(idempotency.HeaderBodyOmitted))
 	peak := stop()
 	t.Logf("heap in use above the start, at its peak: %.1f MiB", float64(peak)/(1<<20))
+	report.Add(t, report.Entry{Suite: "hostile", Store: "memory", Operations: cases, PeakHeap: peak})
 	// The 100 MiB went through 1 MiB at a time; the buffers are the limits'.
 	assert.Less(t, peak, uint64(32<<20), "the heap grew with the input")
 }
@@ -229,6 +233,8 @@ func TestManyWaitersOnOneKey(t *testing.T) {
 	close(finish)
 	wg.Wait()
 	peak := stop()
+	report.Add(t, report.Entry{Suite: "hostile", Store: "memory", Operations: 100000, Duplicates: 99999,
+		StrandedWaiters: 10000 - int(replayed.Load()), PeakHeap: peak})
 	assert.Equal(t, int64(10000), replayed.Load(), "waiters that got the answer")
 	assert.Zero(t, other.Load())
 	t.Logf("heap in use above the start, at its peak, with 10,000 waiting: %.1f MiB (%.0f bytes a waiter)",

@@ -19,24 +19,27 @@ import (
 	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/idempotencytest/linearizable"
 	"github.com/idempotency-go/idempotency/internal/faultproxy"
+	"github.com/idempotency-go/idempotency/internal/report"
 	"github.com/idempotency-go/idempotency/internal/testserver"
 	"github.com/idempotency-go/idempotency/postgres"
 )
 
 // checked requires of a store's history that it was linearizable and long
-// enough to mean something.
-func checked(t *testing.T, res linearizable.Result) {
+// enough to mean something, and reports it.
+func checked(t *testing.T, store string, res linearizable.Result, faults map[string]int) {
 	t.Helper()
+	report.Add(t, report.Entry{Suite: "linearizable", Store: store, Faults: faults, Operations: res.Operations,
+		Linearizable: string(res.Verdict), Notes: fmt.Sprintf("%d records, %d outcomes unknown", res.Records, res.UnknownOutcomes)})
 	require.Equal(t, porcupine.Ok, res.Verdict)
 	require.Greater(t, res.Operations, 100)
 }
 
 func TestMemoryStore(t *testing.T) {
-	checked(t, linearizable.Check(t, idempotency.NewMemoryStore(idempotency.MemoryOptions{}), linearizable.Options{}))
+	checked(t, "memory", linearizable.Check(t, idempotency.NewMemoryStore(idempotency.MemoryOptions{}), linearizable.Options{}), nil)
 }
 
 func TestRedisStore(t *testing.T) {
-	checked(t, linearizable.Check(t, redisStore(t, testserver.StartRedis(t).Client()), linearizable.Options{}))
+	checked(t, "redis", linearizable.Check(t, redisStore(t, testserver.StartRedis(t).Client()), linearizable.Options{}), nil)
 }
 
 func TestPostgresStore(t *testing.T) {
@@ -46,7 +49,7 @@ func TestPostgresStore(t *testing.T) {
 	s := postgres.New(pool, postgres.Options{})
 	t.Cleanup(s.Close)
 	require.NoError(t, s.Migrate(t.Context()))
-	checked(t, linearizable.Check(t, s, linearizable.Options{}))
+	checked(t, "postgres", linearizable.Check(t, s, linearizable.Options{}), nil)
 }
 
 // A redis-server behind a proxy that resets connections (before a request
@@ -78,7 +81,7 @@ func TestRedisStoreUnderFaults(t *testing.T) {
 	stop()
 	wg.Wait()
 	t.Logf("faults injected: %v", faults)
-	checked(t, res)
+	checked(t, "redis", res, faults)
 	require.Positive(t, res.UnknownOutcomes, "no call failed: the faults missed")
 }
 

@@ -95,6 +95,11 @@ func summarize(w io.Writer, entries []report.Entry) bool {
 		if e.Linearizable != "" {
 			g.verdicts[e.Linearizable]++
 		}
+		// A group's peak heap is the largest of its cases': each case's
+		// own gets a line.
+		if e.PeakHeap > 0 {
+			notes = append(notes, fmt.Sprintf("%s/%s %s: peak heap %.1f MiB", e.Suite, e.Store, e.Case, float64(e.PeakHeap)/(1<<20)))
+		}
 		if e.Notes != "" {
 			notes = append(notes, fmt.Sprintf("%s/%s %s: %s", e.Suite, e.Store, e.Case, e.Notes))
 		}
