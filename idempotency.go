@@ -187,6 +187,19 @@ type Options struct {
 	// and what it returns is its outcome. Default 0: no bound but the lease,
 	// which the Guard renews as long as this process runs.
 	OperationTimeout time.Duration
+	// ClaimTimeout bounds each claim (the first, and a waiting duplicate's
+	// re-reads) and each wait's subscription: a store that has not answered
+	// within it fails the call with ErrUnavailable, so that a request on an
+	// instance whose link to the store went silent is answered at once (a
+	// 503 from the middleware) instead of hanging, and its client can retry
+	// elsewhere. A claim the store applied but could not answer in time
+	// leaves a record that nobody runs: it is taken over once its lease runs
+	// out, as after a crash. The bound holds as far as the store's client
+	// honours context deadlines: pgx does; go-redis does with
+	// redis.Options{ContextTimeoutEnabled: true}, and otherwise gives up
+	// within one ReadTimeout. Default 2s; negative: no bound but the
+	// caller's context.
+	ClaimTimeout time.Duration
 }
 
 func (o Options) withDefaults() Options {
@@ -204,6 +217,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.MaxWaiters <= 0 {
 		o.MaxWaiters = 10000
+	}
+	if o.ClaimTimeout == 0 {
+		o.ClaimTimeout = 2 * time.Second
 	}
 	return o
 }
@@ -330,7 +346,7 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 	req := ClaimRequest{Key: k, Fingerprint: fp, OperationID: newOperationID(), Lease: g.opts.Lease, Retention: g.opts.Retention}
 	sent = time.Now()
 	cctx, endClaim := g.startPhase(ctx, PhaseClaim, PhaseStart{Scope: k.Scope})
-	c, err = g.store.Claim(cctx, req)
+	c, err = bounded(cctx, g.opts.ClaimTimeout, "claim", func(ctx context.Context) (Claim, error) { return g.store.Claim(ctx, req) })
 	endClaim(err)
 	if err != nil {
 		t.op = OpClaim
@@ -358,7 +374,7 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 	defer cancel()
 	// Subscribe before re-reading: a completion that lands between the two
 	// is then either seen by the re-read or delivered as a wake-up.
-	wake, err := g.store.Subscribe(wctx, k)
+	wake, err := bounded(wctx, g.opts.ClaimTimeout, "subscribe", func(ctx context.Context) (Subscription, error) { return g.store.Subscribe(ctx, k) })
 	if err != nil {
 		if wctx.Err() != nil && ctx.Err() == nil {
 			return c, sent, ErrInFlight
@@ -374,7 +390,7 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 		// Not wctx: a claim cut short by the wait's deadline might still
 		// take the record on the server, leaving an owner nobody knows of.
 		sent = time.Now()
-		c, err = g.store.Claim(ctx, req)
+		c, err = bounded(ctx, g.opts.ClaimTimeout, "claim", func(ctx context.Context) (Claim, error) { return g.store.Claim(ctx, req) })
 		if err != nil {
 			// The original is known to be running: whatever else failed,
 			// this request must not be run beside it (say, by failing open).
@@ -397,6 +413,22 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 			return c, sent, ErrInFlight
 		}
 	}
+}
+
+// bounded makes a claim or a subscription, call, with ctx ended after
+// timeout, Options.ClaimTimeout. Cut off by that bound while ctx still runs, it fails
+// with ErrUnavailable: the caller is waiting, the store is not answering.
+func bounded[T any](ctx context.Context, timeout time.Duration, what string, call func(context.Context) (T, error)) (T, error) {
+	if timeout < 0 {
+		return call(ctx)
+	}
+	bctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	v, err := call(bctx)
+	if err != nil && ctx.Err() == nil && bctx.Err() != nil {
+		err = fmt.Errorf("%w: %s unanswered after Options.ClaimTimeout %v: %w", ErrUnavailable, what, timeout, err)
+	}
+	return v, err
 }
 
 func claimErr(c Claim, err error) error {

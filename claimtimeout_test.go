@@ -1,0 +1,132 @@
+package idempotency
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-go/idempotency/internal/faultproxy"
+	"github.com/idempotency-go/idempotency/internal/testserver"
+)
+
+// A store that stops answering claims: Do fails with ErrUnavailable once
+// ClaimTimeout has passed, whether the first claim hangs or a waiter's
+// subscription or re-read does, and the operation does not run. The bounds
+// on the elapsed time only catch a hang.
+func TestClaimTimeout(t *testing.T) {
+	const timeout = 200 * time.Millisecond
+	fp := FingerprintOf("op", nil)
+	for _, c := range []struct {
+		name   string
+		hangOn string // the store call that hangs
+		held   bool   // another owner holds the key: the call waits
+	}{
+		{"the first claim", "claim", false},
+		{"a waiter's subscription", "subscribe", true},
+		{"a waiter's re-read", "watching claim", true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			mem := NewMemoryStore(MemoryOptions{})
+			k := Key{Name: "k"}
+			if c.held {
+				_, err := mem.Claim(context.Background(), ClaimRequest{Key: k, Fingerprint: fp, OperationID: "other", Lease: time.Minute, Retention: time.Hour})
+				require.NoError(t, err)
+			}
+			claims := 0
+			s := &faultStore{Store: mem, hook: func(ctx context.Context, op string) error {
+				if op == "claim" {
+					claims++
+					if c.hangOn == "watching claim" && claims == 1 {
+						return nil
+					}
+				}
+				if op == c.hangOn || (c.hangOn == "watching claim" && op == "claim") {
+					return hang(t, ctx, false)
+				}
+				return nil
+			}}
+			g := New(s, Options{ClaimTimeout: timeout, WaitTimeout: time.Minute})
+			start := time.Now()
+			_, err := g.Do(context.Background(), k, fp, func(context.Context) (Response, error) {
+				t.Error("the operation ran")
+				return Response{}, nil
+			})
+			elapsed := time.Since(start)
+			require.ErrorIs(t, err, ErrUnavailable)
+			assert.ErrorContains(t, err, "Options.ClaimTimeout")
+			if c.held {
+				assert.ErrorIs(t, err, ErrInFlight, "the original is known to be running")
+			}
+			assert.GreaterOrEqual(t, elapsed, timeout)
+			assert.Less(t, elapsed, timeout+5*time.Second, "Do hung past ClaimTimeout")
+		})
+	}
+}
+
+// With a negative ClaimTimeout only the caller's context bounds a claim, and
+// its end is the caller's, not the store's unavailability.
+func TestClaimTimeoutNegative(t *testing.T) {
+	s := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: func(ctx context.Context, op string) error {
+		return hang(t, ctx, false)
+	}}
+	g := New(s, Options{ClaimTimeout: -1})
+	ctx, cancel := context.WithTimeout(context.Background(), 2500*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := g.Do(ctx, Key{Name: "k"}, FingerprintOf("op", nil), func(context.Context) (Response, error) {
+		return Response{}, nil
+	})
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.NotContains(t, err.Error(), "ClaimTimeout")
+	assert.GreaterOrEqual(t, time.Since(start), 2500*time.Millisecond, "the default 2s bound applied")
+}
+
+// An instance whose link to a real redis-server goes silent answers a new
+// request with 503 after ClaimTimeout, instead of hanging until go-redis
+// gives up, and the request takes nothing: once the link heals the same key
+// runs at once. The client honours deadlines (ContextTimeoutEnabled), as the
+// README asks.
+func TestClaimTimeoutSilentRedis(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	srv := testserver.StartRedis(t)
+	p := faultproxy.Start(t, srv.Addr)
+	c := redis.NewClient(&redis.Options{Addr: p.Addr(), ContextTimeoutEnabled: true})
+	t.Cleanup(func() { c.Close() })
+	g := New(newRedisStore(t, c), Options{ClaimTimeout: timeout})
+	runs := 0
+	h := g.Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs++
+		w.WriteHeader(http.StatusCreated)
+	}))
+	post := func() (*httptest.ResponseRecorder, time.Duration) {
+		req := httptest.NewRequest(http.MethodPost, "/charges", strings.NewReader("{}"))
+		req.Header.Set(HeaderKey, "silent-1")
+		w := httptest.NewRecorder()
+		start := time.Now()
+		h.ServeHTTP(w, req)
+		return w, time.Since(start)
+	}
+	// A first call warms the connection, so the partition swallows a claim
+	// and not a dial.
+	_, err := g.store.Claim(context.Background(), ClaimRequest{Key: Key{Name: "warm"}, Fingerprint: FingerprintOf("op", nil), OperationID: "op_warm", Lease: time.Second, Retention: time.Minute})
+	require.NoError(t, err)
+
+	p.Partition()
+	w, elapsed := post()
+	assert.Equal(t, http.StatusServiceUnavailable, w.Code)
+	assert.NotEmpty(t, w.Header().Get("Retry-After"))
+	assert.Less(t, elapsed, timeout+3*time.Second, "the request hung on the silent link")
+	t.Logf("answered 503 after %v on a silent link (ClaimTimeout %v)", elapsed.Round(time.Millisecond), timeout)
+	assert.Zero(t, runs)
+
+	p.Heal()
+	require.Eventually(t, func() bool { w, _ := post(); return w.Code == http.StatusCreated }, 5*time.Second, 50*time.Millisecond)
+	assert.Equal(t, 1, runs)
+}
