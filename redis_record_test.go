@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"math"
 	"regexp"
 	"strconv"
 	"strings"
@@ -199,4 +200,29 @@ func TestRedisForeignRecords(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestParseClaimImpossibleReplies: replies that the scripts give only for a
+// value this version never writes, with numbers beyond what Lua formats
+// exactly or an operation ID of 0 bytes, fail the claim; none makes an owner
+// with a made-up attempt, a waiter that re-reads at once, or a replay.
+func TestParseClaimImpossibleReplies(t *testing.T) {
+	fp := strings.Repeat("f", len(Fingerprint{}))
+	for _, reply := range []any{
+		// Redis's string.format('%d') of an attempt of 1e20, plus one.
+		[]any{"owner", "op_1", "-9223372036854775808", "5", "0"},
+		[]any{"owner", "op_1", "0", "5", "0"},
+		[]any{"owner", "", "2", "5", "1"},
+		// Of a deadline of 1e20 less now.
+		[]any{"inflight", "-9223372036854775808"},
+		[]any{"inflight", "0"},
+		[]any{"inflight", strconv.FormatInt(int64(math.MaxInt64/time.Millisecond)+1, 10)},
+		"c" + fp + "\x00" + string(wire.AppendResponse(nil, 201, nil, []byte("ok"))),
+	} {
+		c, err := parseClaim(reply, "op_new")
+		assert.Error(t, err, "%q read as %+v", reply, c)
+	}
+	c, err := parseClaim([]any{"inflight", strconv.FormatInt(int64(math.MaxInt64/time.Millisecond), 10)}, "op_new")
+	require.NoError(t, err)
+	assert.Positive(t, c.LeaseLeft, "the longest lease left")
 }
