@@ -17,6 +17,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"text/template"
@@ -234,26 +235,44 @@ type claimRow struct {
 	abandoned   bool
 }
 
-// claim decodes r.
+// claim decodes r. A row written by hand or by another version can carry
+// what no claim of this version stores: such a row fails the claim rather
+// than make up an owner, a replay or a lease.
 func (r claimRow) claim() (idempotency.Claim, error) {
 	c := idempotency.Claim{OperationID: r.operationID, Attempt: r.attempt, Abandoned: r.abandoned}
+	var err error
 	switch r.state {
 	case "owner":
 		c.State, c.Token = idempotency.Owner, uint64(r.token)
+		if r.operationID == "" || r.attempt < 1 || r.token < 1 {
+			err = fmt.Errorf("owner of operation %q, attempt %d, token %d", r.operationID, r.attempt, r.token)
+		}
 	case "completed":
 		c.State = idempotency.Completed
-		n, err := wire.HeadLen(r.response)
-		if err != nil {
-			return idempotency.Claim{}, storeerr.Unavailable("postgres claim", err)
+		n, herr := wire.HeadLen(r.response)
+		switch {
+		case herr != nil:
+			err = herr
+		case r.operationID == "":
+			err = errors.New("completed record of no operation ID")
+		default:
+			c.Response.Status, c.Response.Header = wire.ParseHead(string(r.response[:n]))
+			c.Response.Body = r.response[n:]
 		}
-		c.Response.Status, c.Response.Header = wire.ParseHead(string(r.response[:n]))
-		c.Response.Body = r.response[n:]
 	case "in_flight":
 		c.State, c.LeaseLeft = idempotency.InFlight, time.Duration(r.leftUS)*time.Microsecond
+		// A lease that ends centuries away (a lease_until set by hand)
+		// would overflow, and a waiter re-reads within the lease left.
+		if r.leftUS < 0 || r.leftUS > int64(math.MaxInt64/time.Microsecond) {
+			err = fmt.Errorf("lease left of %d µs", r.leftUS)
+		}
 	case "mismatch":
 		c.State = idempotency.Mismatch
 	default:
-		return idempotency.Claim{}, storeerr.Unavailable("postgres claim", fmt.Errorf("unknown claim state %q", r.state))
+		err = fmt.Errorf("unknown claim state %q", r.state)
+	}
+	if err != nil {
+		return idempotency.Claim{}, storeerr.Unavailable("postgres claim", err)
 	}
 	return c, nil
 }
