@@ -212,8 +212,8 @@ func storesResponse(v string, resp Response) bool {
 
 // checkRecordScripts sets v under a record's key and runs every verb on it
 // through s: the claim (with and without Watch) and the owner verbs by token,
-// each on v afresh.
-func checkRecordScripts(t *testing.T, s *RedisStore, c *redis.Client, v string, token uint64) {
+// each on v afresh. It returns the number of store calls it made.
+func checkRecordScripts(t *testing.T, s *RedisStore, c *redis.Client, v string, token uint64) (calls int) {
 	ctx := context.Background()
 	k := foreignKey
 	rec, _ := s.recordKey(k)
@@ -235,6 +235,7 @@ func checkRecordScripts(t *testing.T, s *RedisStore, c *redis.Client, v string, 
 		require.NoError(t, c.Set(ctx, rec, v, time.Hour).Err())
 		x := ran{t0: serverNow()}
 		x.err = verb()
+		calls++
 		x.t1 = serverNow()
 		after, err := c.Get(ctx, rec).Result()
 		if !errors.Is(err, redis.Nil) {
@@ -365,6 +366,7 @@ func checkRecordScripts(t *testing.T, s *RedisStore, c *redis.Client, v string, 
 			assert.True(t, n.dl >= t0+lease && n.dl <= t1+lease, "%s of %q: deadline %d, want %d..%d", verb.name, v, n.dl, t0+lease, t1+lease)
 		}
 	}
+	return calls
 }
 
 func parseToken(t *testing.T, s string) uint64 {

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idempotency-go/idempotency/internal/report"
 	"github.com/idempotency-go/idempotency/internal/testserver"
 	"github.com/idempotency-go/idempotency/internal/wire"
 )
@@ -162,9 +163,12 @@ func FuzzCompletedClaim(f *testing.F) {
 func TestRedisForeignRecords(t *testing.T) {
 	c := testserver.StartRedis(t).Client()
 	s := newRedisStore(t, c)
+	values, calls := 0, 0
 	for _, seed := range recordSeeds() {
-		checkRecordScripts(t, s, c, seed.value, seed.token)
+		calls += checkRecordScripts(t, s, c, seed.value, seed.token)
+		values++
 	}
+	report.Add(t, report.Entry{Suite: "fuzz", Store: "redis", Faults: map[string]int{"foreign-value": values}, Operations: calls})
 }
 
 // TestParseClaimImpossibleReplies: replies that the scripts give only for a
