@@ -65,23 +65,30 @@ func recordSeeds() []recordSeed {
 	live := strconv.FormatInt(time.Now().Add(time.Hour).UnixMilli(), 10)
 	held := strconv.Itoa(heldToken)
 	resp := func(r Response) string { return string(wire.AppendResponse(nil, r.Status, r.Header, r.Body)) }
-	valid := []string{
+	inFlight := encodeRecord(recordInFlight, fp, "op_1", live+" "+held+" 2 11 op_2")
+	released := encodeRecord(recordReleased, fp, "op_1", "0 0 4 00 ")
+	completed := encodeRecord(recordCompleted, fp, "op_1", resp(Response{Status: 200, Header: http.Header{
+		"Content-Type": {"application/json"}, "Set-Cookie": {"a=1", "b=2"}}, Body: []byte(`{"id":"ch_1"}`)}))
+	var seeds []recordSeed
+	for _, v := range []string{
+		inFlight, released, completed,
 		encodeRecord(recordInFlight, fp, "op_1", live+" "+held+" 1 00 "),
-		encodeRecord(recordInFlight, fp, "op_1", live+" "+held+" 2 11 op_2"),
 		encodeRecord(recordInFlight, fp, "op_1", "1 "+held+" 2 01 op_2"),
 		encodeRecord(recordInFlight, fp, "op_1", live+" "+held+" 3 00 "+foreignID),
 		encodeRecord(recordInFlight, fp, foreignID, live+" "+held+" 1 00 "),
-		encodeRecord(recordReleased, fp, "op_1", "0 0 4 00 "),
-		encodeRecord(recordCompleted, fp, "op_1", resp(Response{Status: 200, Header: http.Header{
-			"Content-Type": {"application/json"}, "Set-Cookie": {"a=1", "b=2"}}, Body: []byte(`{"id":"ch_1"}`)})),
 		encodeRecord(recordCompleted, fp, strings.Repeat("o", 255), resp(Response{Status: 204})),
 		// What Complete below stores: its resend succeeds without the token.
 		encodeRecord(recordCompleted, fp, "op_1", resp(foreignResponse)),
-	}
-	var seeds []recordSeed
-	for _, v := range valid {
+	} {
 		seeds = append(seeds, recordSeed{v, heldToken}, recordSeed{v, 1})
-		for n := range len(v) {
+	}
+	// Truncated in each state. A value cut within its fingerprint is a
+	// mismatch, however short: a few of those do.
+	for _, v := range []string{inFlight, released, completed} {
+		for _, n := range []int{0, 1, recordOperationIDLenAt / 2} {
+			seeds = append(seeds, recordSeed{v[:n], heldToken})
+		}
+		for n := recordOperationIDLenAt; n < len(v); n++ {
 			seeds = append(seeds, recordSeed{v[:n], heldToken})
 		}
 	}
