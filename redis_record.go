@@ -86,7 +86,8 @@ func bucketOf(k Key) uint32 {
 // whole.
 func completedClaim(rec string) (Claim, error) {
 	const head = recordOperationIDAt
-	if len(rec) < head || rec[0] != recordCompleted || len(rec) < head+int(rec[recordOperationIDLenAt]) {
+	// An operation ID is 1 to 255 bytes (see RedisStore.Claim).
+	if len(rec) < head || rec[0] != recordCompleted || rec[recordOperationIDLenAt] == 0 || len(rec) < head+int(rec[recordOperationIDLenAt]) {
 		return Claim{}, fmt.Errorf("unexpected claim reply %q", rec)
 	}
 	end := head + int(rec[recordOperationIDLenAt])

@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"math"
 	"regexp"
 	"strconv"
 	"strings"
@@ -12,6 +13,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idempotency-go/idempotency/internal/report"
+	"github.com/idempotency-go/idempotency/internal/testserver"
 	"github.com/idempotency-go/idempotency/internal/wire"
 )
 
@@ -153,50 +156,42 @@ func FuzzCompletedClaim(f *testing.F) {
 	})
 }
 
-// TestRedisForeignRecords: a value under a record's key that the scripts did
-// not write (another program's, a truncated one, one from another version)
-// never makes a caller the owner, never replays, and never panics: each call
-// answers Mismatch or fails with ErrUnavailable or ErrFenced.
+// TestRedisForeignRecords runs the seeds of FuzzRecordScripts on
+// redis-server, whose Lua is not miniredis's: a value under a record's key
+// that the scripts did not write never makes a caller the owner, never
+// replays, and never panics.
 func TestRedisForeignRecords(t *testing.T) {
-	redisBackends(t, func(t *testing.T, c *redis.Client) {
-		s := newRedisStore(t, c)
-		ctx := context.Background()
-		fp := FingerprintOf("op", nil)
-		head := string(fp[:])
-		for i, v := range []string{
-			"",
-			"hello",
-			"c",
-			"p" + head,
-			"p" + head + "\x05op_1",
-			"p" + head + "\x04op_1garbage",
-			"p" + head + "\x04op_1x y z 00 ",
-			"r" + head + "\x04op_1",
-			"c" + head + "\x04op_1",
-			"c" + head + "\xffop_1",
-			"c" + head + "\x04op_1\xff\xff\xff\xff",
-			"z" + head + "\x04op_1123 1 1 00 ",
-			strings.Repeat("\x00", 64),
-		} {
-			k := Key{Name: "foreign-" + strconv.Itoa(i)}
-			rec, _ := s.recordKey(k)
-			require.NoError(t, c.Set(ctx, rec, v, time.Hour).Err())
-			cl, err := s.Claim(ctx, ClaimRequest{Key: k, Fingerprint: fp, OperationID: "op_new", Lease: time.Minute, Retention: time.Hour})
-			switch {
-			case err != nil:
-				assert.ErrorIs(t, err, ErrUnavailable, "%q", v)
-			default:
-				assert.Contains(t, []ClaimState{Mismatch, InFlight}, cl.State, "%q: claim answered %+v", v, cl)
-			}
-			for name, err := range map[string]error{
-				"complete":  s.Complete(ctx, k, 1, Response{Status: 201}, time.Hour),
-				"release":   s.Release(ctx, k, 1),
-				"heartbeat": s.Heartbeat(ctx, k, 1, time.Minute),
-			} {
-				if err == nil {
-					t.Errorf("%q: %s by a token nobody was given succeeded", v, name)
-				}
-			}
-		}
-	})
+	c := testserver.StartRedis(t).Client()
+	s := newRedisStore(t, c)
+	values, calls := 0, 0
+	for _, seed := range recordSeeds() {
+		calls += checkRecordScripts(t, s, c, seed.value, seed.token)
+		values++
+	}
+	report.Add(t, report.Entry{Suite: "fuzz", Store: "redis", Faults: map[string]int{"foreign-value": values}, Operations: calls})
+}
+
+// TestParseClaimImpossibleReplies: replies that the scripts give only for a
+// value this version never writes, with numbers beyond what Lua formats
+// exactly or an operation ID of 0 bytes, fail the claim; none makes an owner
+// with a made-up attempt, a waiter that re-reads at once, or a replay.
+func TestParseClaimImpossibleReplies(t *testing.T) {
+	fp := strings.Repeat("f", len(Fingerprint{}))
+	for _, reply := range []any{
+		// Redis's string.format('%d') of an attempt of 1e20, plus one.
+		[]any{"owner", "op_1", "-9223372036854775808", "5", "0"},
+		[]any{"owner", "op_1", "0", "5", "0"},
+		[]any{"owner", "", "2", "5", "1"},
+		// Of a deadline of 1e20 less now.
+		[]any{"inflight", "-9223372036854775808"},
+		[]any{"inflight", "0"},
+		[]any{"inflight", strconv.FormatInt(int64(math.MaxInt64/time.Millisecond)+1, 10)},
+		"c" + fp + "\x00" + string(wire.AppendResponse(nil, 201, nil, []byte("ok"))),
+	} {
+		c, err := parseClaim(reply, "op_new")
+		assert.Error(t, err, "%q read as %+v", reply, c)
+	}
+	c, err := parseClaim([]any{"inflight", strconv.FormatInt(int64(math.MaxInt64/time.Millisecond), 10)}, "op_new")
+	require.NoError(t, err)
+	assert.Positive(t, c.LeaseLeft, "the longest lease left")
 }

@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"sync"
@@ -378,6 +379,10 @@ func parseClaim(reply any, id string) (Claim, error) {
 		}
 		return ""
 	}
+	// The scripts compute with doubles, which a value another program wrote
+	// under the record's key can take beyond what they format exactly
+	// (Redis's string.format('%d') of 1e20 is -2^63): a reply no record of
+	// this version yields fails rather than make up an owner or a lease.
 	switch str(0) {
 	case "owner":
 		attempt, err1 := strconv.Atoi(str(2))
@@ -385,10 +390,21 @@ func parseClaim(reply any, id string) (Claim, error) {
 		if err := errors.Join(err1, err2); err != nil {
 			return Claim{}, err
 		}
+		if attempt < 1 || str(1) == "" {
+			return Claim{}, fmt.Errorf("unexpected claim reply %q", reply)
+		}
 		return Claim{State: Owner, OperationID: str(1), Attempt: attempt, Token: token, Abandoned: str(4) == luaBool(true)}, nil
 	case "inflight":
 		ms, err := strconv.ParseInt(str(1), 10, 64)
-		return Claim{State: InFlight, LeaseLeft: time.Duration(ms) * time.Millisecond}, err
+		if err != nil {
+			return Claim{}, err
+		}
+		if ms <= 0 || ms > int64(math.MaxInt64/time.Millisecond) {
+			// A waiter re-reads within the lease left: one of 0 would have
+			// it claim again and again.
+			return Claim{}, fmt.Errorf("unexpected claim reply %q", reply)
+		}
+		return Claim{State: InFlight, LeaseLeft: time.Duration(ms) * time.Millisecond}, nil
 	case "mismatch":
 		return Claim{State: Mismatch}, nil
 	}

@@ -17,6 +17,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"text/template"
@@ -212,36 +213,66 @@ func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
 
 // Claim implements idempotency.Store in one round trip.
 func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.Claim, error) {
-	var (
-		state    string
-		c        idempotency.Claim
-		token    int64
-		response []byte
-		leftUS   int64
-	)
+	var r claimRow
 	err := s.pool.QueryRow(ctx, s.claimSQL, oneRoundTrip, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID,
 		req.Lease.Microseconds(), req.Retention.Microseconds(), req.Watch).
-		Scan(&state, &c.OperationID, &c.Attempt, &token, &response, &leftUS, &c.Abandoned)
+		Scan(&r.state, &r.operationID, &r.attempt, &r.token, &r.response, &r.leftUS, &r.abandoned)
 	if err != nil {
 		return idempotency.Claim{}, storeerr.Unavailable("postgres claim", err)
 	}
-	switch state {
+	return r.claim()
+}
+
+// claimRow is the row the claim function returns (schema.sql), its nulls
+// read as zeros.
+type claimRow struct {
+	state       string
+	operationID string
+	attempt     int
+	token       int64
+	response    []byte
+	leftUS      int64
+	abandoned   bool
+}
+
+// claim decodes r. A row written by hand or by another version can carry
+// what no claim of this version stores: such a row fails the claim rather
+// than make up an owner, a replay or a lease.
+func (r claimRow) claim() (idempotency.Claim, error) {
+	c := idempotency.Claim{OperationID: r.operationID, Attempt: r.attempt, Abandoned: r.abandoned}
+	var err error
+	switch r.state {
 	case "owner":
-		c.State, c.Token = idempotency.Owner, uint64(token)
+		c.State, c.Token = idempotency.Owner, uint64(r.token)
+		if r.operationID == "" || r.attempt < 1 || r.token < 1 {
+			err = fmt.Errorf("owner of operation %q, attempt %d, token %d", r.operationID, r.attempt, r.token)
+		}
 	case "completed":
 		c.State = idempotency.Completed
-		n, err := wire.HeadLen(response)
-		if err != nil {
-			return idempotency.Claim{}, storeerr.Unavailable("postgres claim", err)
+		n, herr := wire.HeadLen(r.response)
+		switch {
+		case herr != nil:
+			err = herr
+		case r.operationID == "":
+			err = errors.New("completed record of no operation ID")
+		default:
+			c.Response.Status, c.Response.Header = wire.ParseHead(string(r.response[:n]))
+			c.Response.Body = r.response[n:]
 		}
-		c.Response.Status, c.Response.Header = wire.ParseHead(string(response[:n]))
-		c.Response.Body = response[n:]
 	case "in_flight":
-		c.State, c.LeaseLeft = idempotency.InFlight, time.Duration(leftUS)*time.Microsecond
+		c.State, c.LeaseLeft = idempotency.InFlight, time.Duration(r.leftUS)*time.Microsecond
+		// A lease that ends centuries away (a lease_until set by hand)
+		// would overflow, and a waiter re-reads within the lease left.
+		if r.leftUS < 0 || r.leftUS > int64(math.MaxInt64/time.Microsecond) {
+			err = fmt.Errorf("lease left of %d µs", r.leftUS)
+		}
 	case "mismatch":
 		c.State = idempotency.Mismatch
 	default:
-		return idempotency.Claim{}, storeerr.Unavailable("postgres claim", fmt.Errorf("unknown claim state %q", state))
+		err = fmt.Errorf("unknown claim state %q", r.state)
+	}
+	if err != nil {
+		return idempotency.Claim{}, storeerr.Unavailable("postgres claim", err)
 	}
 	return c, nil
 }

@@ -65,6 +65,7 @@ func TestStore(t *testing.T) {
 		{"TakeoverWaitsOutRelease", testTakeoverWaitsOutRelease},
 		{"AbandonedCorruptFingerprint", testAbandonedCorruptFingerprint},
 		{"ErrorsAreUnavailable", testErrorsAreUnavailable},
+		{"CorruptRows", testCorruptRows},
 		{"Stats", func(t *testing.T, f *fixture) {
 			s, _ := f.store(t)
 			statstest.Check(t, s)
