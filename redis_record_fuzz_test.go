@@ -3,7 +3,6 @@ package idempotency
 import (
 	"context"
 	"errors"
-	"math"
 	"net/http"
 	"regexp"
 	"strconv"
@@ -148,15 +147,14 @@ type recordValue struct {
 	rest   string // after the operation ID
 	resp   Response
 	fields []string // deadline, token, attempt, abandoned, waited, claimer
-	// The deadline and attempt, when fields are set; at most math.MaxInt64.
+	// The deadline and attempt, when fields are set.
 	dl, att int64
 }
 
-// maxExact bounds the numbers the scripts compute with exactly: Lua's
-// numbers are doubles.
-const maxExact = 1 << 53
-
-var recordFields = regexp.MustCompile(`(?s)^(\d+) (\d+) (\d+) (\d)(\d) (.*)$`)
+// recordFields matches the fields in flight or released as decode in
+// lua/record.lua reads them: the deadline and the attempt in at most 15
+// digits, which a double holds exactly.
+var recordFields = regexp.MustCompile(`(?s)^(\d{1,15}) (\d+) (\d{1,15}) ([01])([01]) (.*)$`)
 
 // parseRecordValue reads v as a record of this version, and reports whether
 // it is one: a known state, a fingerprint, an operation ID of 1 to 255 bytes,
@@ -184,18 +182,15 @@ func parseRecordValue(v string) (recordValue, bool) {
 			return recordValue{}, false
 		}
 		r.fields = m[1:]
-		r.dl, r.att = saturated(r.fields[0]), saturated(r.fields[2])
+		r.dl, r.att = number(r.fields[0]), number(r.fields[2])
 		return r, true
 	}
 	return recordValue{}, false
 }
 
-// saturated reads digits as a number, math.MaxInt64 if they are more.
-func saturated(digits string) int64 {
-	n, err := strconv.ParseInt(digits, 10, 64)
-	if err != nil {
-		return math.MaxInt64
-	}
+// number reads the digits recordFields matched.
+func number(digits string) int64 {
+	n, _ := strconv.ParseInt(digits, 10, 64) // at most 15 digits: never fails
 	return n
 }
 
@@ -203,7 +198,7 @@ func saturated(digits string) int64 {
 // owned() in lua/record.lua compares the token as text, whatever the other
 // fields.
 func holds(v string, token uint64) bool {
-	if len(v) < recordOperationIDAt || v[0] != recordInFlight {
+	if len(v) < recordOperationIDAt || v[0] != recordInFlight || v[recordOperationIDLenAt] == 0 {
 		return false
 	}
 	m := recordFields.FindStringSubmatch(v[min(recordOperationIDAt+int(v[recordOperationIDLenAt]), len(v)):])
@@ -213,7 +208,7 @@ func holds(v string, token uint64) bool {
 // storesResponse reports whether complete.lua takes v for the completed
 // record of resp, whatever precedes the response (lua/record.lua, response).
 func storesResponse(v string, resp Response) bool {
-	return len(v) >= recordOperationIDAt && v[0] == recordCompleted &&
+	return len(v) >= recordOperationIDAt && v[0] == recordCompleted && v[recordOperationIDLenAt] != 0 &&
 		v[min(recordOperationIDAt+int(v[recordOperationIDLenAt]), len(v)):] == string(wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body))
 }
 
@@ -303,13 +298,7 @@ func checkRecordScripts(t *testing.T, s *RedisStore, c *redis.Client, v string, 
 		// Released, or in flight past its lease: taken over.
 		require.Equal(t, Owner, cl.State, "claim of %q", v)
 		assert.Equal(t, r.op, cl.OperationID, "a takeover keeps the operation ID")
-		if r.att < maxExact-1 {
-			assert.Equal(t, int(r.att)+1, cl.Attempt)
-		} else {
-			// Beyond a double's exactness the attempt is any number, but a
-			// number an attempt can be.
-			assert.Positive(t, cl.Attempt)
-		}
+		assert.Equal(t, int(r.att)+1, cl.Attempt)
 		assert.Equal(t, r.state == recordInFlight, cl.Abandoned)
 		n, ok := parseRecordValue(after)
 		require.True(t, ok, "the record %q a takeover of %q left", after, v)

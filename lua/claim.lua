@@ -36,6 +36,9 @@ if st ~= IN_FLIGHT and st ~= RELEASED then
   return redis.error_reply('RECORD state ' .. string.format('%q', st) .. ' unknown')
 end
 local op, deadline, token, attempt, abandoned, waited, claimer = decode(v)
+if not op then
+  return redis.error_reply('RECORD malformed')
+end
 if st == IN_FLIGHT and (claimer == '' and op or claimer) == id then
   -- This very claim ran before and its reply was lost (a client retries a
   -- script after a network error): the caller is the owner already.

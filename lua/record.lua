@@ -32,11 +32,20 @@ local function fingerprint(v)
 end
 
 -- decode returns the operation ID and the fields of a record in flight or
--- released.
+-- released, or nothing when v is not one this version writes. The deadline
+-- and the attempt are computed with, so they must be numbers a double holds
+-- exactly and '%d' formats back (Redis's Lua formats 1e20 as a negative
+-- number); the token is only compared, as text.
 local function decode(v)
   local n = string.byte(v, OP_LEN_AT)
+  if not n or n == 0 then
+    return
+  end
   local deadline, token, attempt, abandoned, waited, claimer =
-    string.match(v, '^(%d+) (%d+) (%d+) (%d)(%d) (.*)$', OP_LEN_AT + 1 + n)
+    string.match(v, '^(%d+) (%d+) (%d+) ([01])([01]) (.*)$', OP_LEN_AT + 1 + n)
+  if not deadline or #deadline > 15 or #attempt > 15 then
+    return
+  end
   return string.sub(v, OP_LEN_AT + 1, OP_LEN_AT + n), deadline, token, attempt, abandoned, waited, claimer
 end
 
@@ -51,9 +60,13 @@ local function completed(v, op, response)
   return COMPLETED .. string.sub(v, FINGERPRINT_FIRST, OP_LEN_AT + #op) .. response
 end
 
--- response is the stored response of v, a completed record.
+-- response is the stored response of v, a completed record, or nothing
+-- when v has no operation ID.
 local function response(v)
-  return string.sub(v, OP_LEN_AT + 1 + string.byte(v, OP_LEN_AT))
+  local n = string.byte(v, OP_LEN_AT)
+  if n and n > 0 then
+    return string.sub(v, OP_LEN_AT + 1 + n)
+  end
 end
 
 -- owned reads the record at rec and returns it, decoded, when it is in
