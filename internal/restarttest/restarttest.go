@@ -72,8 +72,8 @@ type Rig struct {
 	Durable bool
 }
 
-// Outcome is what a run counted.
-type Outcome struct {
+// counts is what a run counted.
+type counts struct {
 	// Operations counts the calls of Do; Duplicates those on a key that an
 	// earlier call used.
 	Operations, Duplicates int
@@ -112,9 +112,9 @@ type Outcome struct {
 }
 
 // Run loads rig's store from several Guards, kills its server, starts it
-// again, and checks and reports what it saw (see the package comment). It
-// returns the counts, which it also logs.
-func Run(t *testing.T, rig Rig) Outcome {
+// again, and checks, logs and reports what it saw (see the package
+// comment).
+func Run(t *testing.T, rig Rig) {
 	h := &history{runs: map[idempotency.Key]int{}, running: map[idempotency.Key]int{},
 		answers: map[idempotency.Key]answer{}, lost: map[idempotency.Key]bool{}, keys: map[idempotency.Key]bool{},
 		before: map[idempotency.Key]uint64{}, tokens: map[idempotency.Key]uint64{}, tokensAfter: map[idempotency.Key]bool{}}
@@ -225,7 +225,7 @@ func Run(t *testing.T, rig Rig) Outcome {
 	close(next)
 	verify.Wait()
 
-	o := h.outcome()
+	o := h.counts()
 	o.Downtime, o.Waiter = downtime, waiter
 	t.Logf("%s: %+v", rig.Name, o)
 	if rig.Durable {
@@ -245,11 +245,10 @@ func Run(t *testing.T, rig Rig) Outcome {
 		e.DoubleExecutions += o.RerunsAfterAnswer + o.Remade
 	}
 	report.Add(t, e)
-	return o
 }
 
 // notes says what the restart cost, for the report.
-func (o Outcome) notes() string {
+func (o counts) notes() string {
 	return fmt.Sprintf("down %v; lost %d of %d completions answered before the kill (%d of %d in all); "+
 		"retries of lost keys ran their operation again %d times; %d runs made their record anew after an earlier run; "+
 		"%d of %d tokens after the restart went backwards; %d takeovers of records the kill left in flight (Abandoned); %d calls refused",
@@ -286,8 +285,8 @@ type history struct {
 	lost    map[idempotency.Key]bool
 	// tokens is the highest token each key's runs had; before, its copy at
 	// the kill.
-	tokens, before                 map[idempotency.Key]uint64
-	tokensAfter                    map[idempotency.Key]bool // token keys claimed after the restart
+	tokens, before                  map[idempotency.Key]uint64
+	tokensAfter                     map[idempotency.Key]bool // token keys claimed after the restart
 	reruns, overlaps, remade, aband int
 	compared, regressions           int
 }
@@ -459,10 +458,10 @@ func (h *history) allKeys() []idempotency.Key {
 	return keys
 }
 
-func (h *history) outcome() Outcome {
+func (h *history) counts() counts {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	o := Outcome{
+	o := counts{
 		Operations: int(h.ops.Load()), Refused: int(h.refused.Load()),
 		Answered: len(h.answers), Lost: len(h.lost),
 		RerunsAfterAnswer: h.reruns, Overlaps: h.overlaps, Remade: h.remade, Abandoned: h.aband,

@@ -194,10 +194,18 @@ func (p *Postgres) start() error {
 	return nil
 }
 
-// stop shuts the server down in immediate mode and waits until it is gone.
+// stop shuts the server down in immediate mode and waits until the
+// postmaster is gone: pg_ctl returns once postmaster.pid is, which the
+// postmaster removes just before it exits.
 func (p *Postgres) stop() error {
+	pid := postmasterPID(p.Dir)
 	if out, err := p.run(30*time.Second, p.pgctl, "-D", p.Dir, "-m", "immediate", "-w", "stop"); err != nil {
 		return fmt.Errorf("testserver: pg_ctl stop: %v: %s", err, bytes.TrimSpace(out))
+	}
+	for deadline := time.Now().Add(readinessDeadline); pid > 0 && processAlive(pid); time.Sleep(pollInterval) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("testserver: postmaster %d still runs %v after pg_ctl stop", pid, readinessDeadline)
+		}
 	}
 	return nil
 }
