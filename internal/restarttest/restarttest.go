@@ -46,8 +46,11 @@ const (
 	// hang bounds every wait, only to catch a hang.
 	hang = 30 * time.Second
 	// heldLease outlasts the restart, and waiterTimeout fails a waiter that
-	// nothing woke long before the lease could end its wait.
-	heldLease, waiterTimeout = 30 * time.Second, 15 * time.Second
+	// nothing woke long before the lease could end its wait. Both are long
+	// because a call to a Redis server that is down can take seconds to
+	// fail (go-redis redials and retries), and the server stays down that
+	// long.
+	heldLease, waiterTimeout = time.Minute, 40 * time.Second
 )
 
 // Rig is a store whose server a test can kill and start again.
@@ -104,8 +107,9 @@ type counts struct {
 	// before the kill; TokenRegressions those whose token was not above
 	// every token the key had before.
 	TokensCompared, TokenRegressions int
-	// Downtime is how long the server was down, Start included.
-	Downtime time.Duration
+	// Downtime is how long the server was down, Start included; FailedIn
+	// how long a call made while it was down took to fail.
+	Downtime, FailedIn time.Duration
 	// Waiter says what became of the waiter held across the restart of a
 	// durable store.
 	Waiter string
@@ -176,10 +180,12 @@ func Run(t *testing.T, rig Rig) {
 	// The same Guard that served the load, on the same client, fails
 	// closed: the operation does not run.
 	ran := false
+	probed := time.Now()
 	_, err := gs[0].Do(ctx, idempotency.Key{Scope: "restart", Name: "while-down"}, fingerprint, func(context.Context) (idempotency.Response, error) {
 		ran = true
 		return idempotency.Response{Status: http.StatusCreated}, nil
 	})
+	failedIn := time.Since(probed)
 	h.ops.Add(1)
 	if !errors.Is(err, idempotency.ErrUnavailable) || ran {
 		t.Errorf("a call while the server is down: %v, operation run: %v; want ErrUnavailable, not run", err, ran)
@@ -226,7 +232,7 @@ func Run(t *testing.T, rig Rig) {
 	verify.Wait()
 
 	o := h.counts()
-	o.Downtime, o.Waiter = downtime, waiter
+	o.Downtime, o.FailedIn, o.Waiter = downtime, failedIn, waiter
 	t.Logf("%s: %+v", rig.Name, o)
 	if rig.Durable {
 		if o.Lost != 0 || o.RerunsAfterAnswer != 0 || o.Remade != 0 || o.Overlaps != 0 || o.TokenRegressions != 0 {
@@ -249,10 +255,10 @@ func Run(t *testing.T, rig Rig) {
 
 // notes says what the restart cost, for the report.
 func (o counts) notes() string {
-	return fmt.Sprintf("down %v; lost %d of %d completions answered before the kill (%d of %d in all); "+
+	return fmt.Sprintf("down %v, a call failed closed in %v; lost %d of %d completions answered before the kill (%d of %d in all); "+
 		"retries of lost keys ran their operation again %d times; %d runs made their record anew after an earlier run; "+
 		"%d of %d tokens after the restart went backwards; %d takeovers of records the kill left in flight (Abandoned); %d calls refused",
-		o.Downtime.Round(time.Millisecond), o.LostBeforeKill, o.AnsweredBeforeKill, o.Lost, o.Answered,
+		o.Downtime.Round(time.Millisecond), o.FailedIn.Round(time.Millisecond), o.LostBeforeKill, o.AnsweredBeforeKill, o.Lost, o.Answered,
 		o.RerunsAfterAnswer, o.Remade, o.TokenRegressions, o.TokensCompared, o.Abandoned, o.Refused) + waiterNote(o.Waiter)
 }
 
@@ -277,7 +283,7 @@ type history struct {
 
 	mu      sync.Mutex
 	phase   phase
-	keys    map[idempotency.Key]bool // every key called, for the final replay
+	keys    map[idempotency.Key]bool // every key called: true if its outcome is kept, to be replayed at the end
 	calls   int                      // calls of keys, for the duplicates
 	runs    map[idempotency.Key]int
 	running map[idempotency.Key]int
