@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"os/user"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -29,8 +30,11 @@ type Postgres struct {
 	// Port is the TCP port on 127.0.0.1.
 	Port int
 	// Dir is the data directory, which also holds the Unix socket and the
-	// server log.
+	// server log. It survives Stop and Restart.
 	Dir string
+
+	pgctl  string
+	asUser []string // command prefix that drops root, or nil
 }
 
 // StartPostgres initialises a fresh cluster with initdb, starts it with
@@ -122,23 +126,8 @@ func launchPostgres(logf func(format string, args ...any)) (p *Postgres, stop fu
 		}
 	}
 
-	run := func(timeout time.Duration, bin string, args ...string) ([]byte, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), timeout)
-		defer cancel()
-		argv := append(append(append([]string{}, asUser...), bin), args...)
-		cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
-		// The postgres user may not be able to enter the caller's working
-		// directory; the data directory is its own.
-		cmd.Dir = dir
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-		cmd.Cancel = func() error { return killGroup(cmd.Process.Pid, syscall.SIGKILL) }
-		// pg_ctl's postmaster could inherit our output pipe and keep it open
-		// for its whole life; -l below prevents that, WaitDelay guards it.
-		cmd.WaitDelay = 2 * time.Second
-		return cmd.CombinedOutput()
-	}
-
-	out, err := run(60*time.Second, initdb, "-D", dir, "-U", "postgres", "-A", "trust",
+	p = &Postgres{Dir: dir, pgctl: pgctl, asUser: asUser}
+	out, err := p.run(60*time.Second, initdb, "-D", dir, "-U", "postgres", "-A", "trust",
 		"--no-sync", "-E", "UTF8", "--locale=C")
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("testserver: initdb: %v\n%s", err, tail(out, 8<<10)), removeDir())
@@ -146,13 +135,11 @@ func launchPostgres(logf func(format string, args ...any)) (p *Postgres, stop fu
 
 	// Also run when a start fails, which may leave the server half up.
 	stop = func() error {
-		out, err := run(30*time.Second, pgctl, "-D", dir, "-m", "immediate", "-w", "stop")
-		if err != nil {
-			// pg_ctl stop failed (or nothing was running): kill whatever
-			// postmaster.pid still names.
+		if err := p.stop(); err != nil {
+			// pg_ctl stop failed: kill whatever postmaster.pid still names.
 			if pid := postmasterPID(dir); pid > 0 {
 				if kerr := syscall.Kill(pid, syscall.SIGKILL); kerr == nil {
-					logf("testserver: pg_ctl stop failed (%v: %s); killed postmaster %d", err, bytes.TrimSpace(out), pid)
+					logf("testserver: %v; killed postmaster %d", err, pid)
 				}
 			}
 		}
@@ -165,23 +152,96 @@ func launchPostgres(logf func(format string, args ...any)) (p *Postgres, stop fu
 		if err != nil {
 			return nil, nil, errors.Join(err, stop())
 		}
-		p := &Postgres{
-			DSN:  fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", ports[0]),
-			Port: ports[0],
-			Dir:  dir,
-		}
-		opts := fmt.Sprintf("-p %d -k '%s' -c listen_addresses=127.0.0.1 -c fsync=off", p.Port, dir)
-		out, err := run(60*time.Second, pgctl, "-D", dir, "-l", p.logPath(), "-w", "-t", "30", "-o", opts, "start")
-		if err == nil {
-			err = waitPostgres(p.Port)
-		}
+		p.Port = ports[0]
+		p.DSN = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", p.Port)
+		err = p.start()
 		if err == nil {
 			return p, stop, nil
 		}
-		log := readLog(p.logPath())
-		if !strings.Contains(log, "Address already in use") || attempt == attempts {
-			return nil, nil, errors.Join(fmt.Errorf("testserver: pg_ctl start on port %d: %v\n%s\n%s", p.Port, err, bytes.TrimSpace(out), log), stop())
+		if !strings.Contains(readLog(p.logPath()), "Address already in use") || attempt == attempts {
+			return nil, nil, errors.Join(err, stop())
 		}
+	}
+}
+
+// run runs bin as the server's user, in the data directory.
+func (p *Postgres) run(timeout time.Duration, bin string, args ...string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	argv := append(append(slices.Clone(p.asUser), bin), args...)
+	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+	// The postgres user may not be able to enter the caller's working
+	// directory; the data directory is its own.
+	cmd.Dir = p.Dir
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.Cancel = func() error { return killGroup(cmd.Process.Pid, syscall.SIGKILL) }
+	// pg_ctl's postmaster could inherit our output pipe and keep it open
+	// for its whole life; -l prevents that, WaitDelay guards it.
+	cmd.WaitDelay = 2 * time.Second
+	return cmd.CombinedOutput()
+}
+
+// start starts the server on p.Port and waits until it accepts connections.
+func (p *Postgres) start() error {
+	opts := fmt.Sprintf("-p %d -k '%s' -c listen_addresses=127.0.0.1 -c fsync=off", p.Port, p.Dir)
+	out, err := p.run(60*time.Second, p.pgctl, "-D", p.Dir, "-l", p.logPath(), "-w", "-t", "30", "-o", opts, "start")
+	if err == nil {
+		err = waitPostgres(p.Port)
+	}
+	if err != nil {
+		return fmt.Errorf("testserver: pg_ctl start on port %d: %v\n%s\n%s", p.Port, err, bytes.TrimSpace(out), readLog(p.logPath()))
+	}
+	return nil
+}
+
+// stop shuts the server down in immediate mode and waits until the
+// postmaster is gone: pg_ctl returns once postmaster.pid is, which the
+// postmaster removes just before it exits.
+func (p *Postgres) stop() error {
+	pid := postmasterPID(p.Dir)
+	if out, err := p.run(30*time.Second, p.pgctl, "-D", p.Dir, "-m", "immediate", "-w", "stop"); err != nil {
+		return fmt.Errorf("testserver: pg_ctl stop: %v: %s", err, bytes.TrimSpace(out))
+	}
+	for deadline := time.Now().Add(readinessDeadline); pid > 0 && processAlive(pid); time.Sleep(pollInterval) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("testserver: postmaster %d still runs %v after pg_ctl stop", pid, readinessDeadline)
+		}
+	}
+	return nil
+}
+
+// Stop shuts the server down as a crash would, with pg_ctl stop -m
+// immediate: every backend is killed without a checkpoint and every
+// connection reset. What was committed survives and Restart recovers it
+// from the WAL (fsync is off, which loses data only if the machine goes
+// down, not the server). Calling it on a stopped server does nothing.
+func (p *Postgres) Stop(t testing.TB) {
+	t.Helper()
+	if postmasterPID(p.Dir) == 0 {
+		return
+	}
+	if err := p.stop(); err != nil {
+		t.Fatalf("%v", err)
+	}
+}
+
+// Restart starts the server again on the same port and data directory,
+// stopping it first as Stop does if it runs, and waits until it accepts
+// connections, crash recovery done. If another process took the port
+// meanwhile, it retries for a few seconds and then fails the test.
+func (p *Postgres) Restart(t testing.TB) {
+	t.Helper()
+	p.Stop(t)
+	const attempts = 10
+	for attempt := 1; ; attempt++ {
+		err := p.start()
+		if err == nil {
+			return
+		}
+		if !strings.Contains(readLog(p.logPath()), "Address already in use") || attempt == attempts {
+			t.Fatalf("testserver: restarting postgres: %v", err)
+		}
+		time.Sleep(300 * time.Millisecond)
 	}
 }
 

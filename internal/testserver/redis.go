@@ -269,11 +269,13 @@ func (r *Redis) Stop(t testing.TB) {
 	}
 }
 
-// Restart starts the server again on the same address and waits until it
-// answers PING; it kills the running process first if there is one. Data is
-// lost (persistence is off), but a cluster node keeps its nodes.conf and
-// rejoins the cluster. If another process took the port meanwhile, it retries
-// for a few seconds and then fails the test.
+// Restart starts the server again on the same address and directory and
+// waits until it answers PING, which it does once it has loaded what it
+// persisted; it kills the running process first if there is one. By default
+// data is lost, as persistence is off; a server started with, say,
+// "--appendonly", "yes" reloads its append-only file. A cluster node keeps
+// its nodes.conf and rejoins the cluster. If another process took the port
+// meanwhile, it retries for a few seconds and then fails the test.
 func (r *Redis) Restart(t testing.TB) {
 	t.Helper()
 	r.Stop(t)

@@ -214,3 +214,21 @@ func readLog(path string) string {
 	}
 	return tail(b, 8<<10)
 }
+
+// processAlive reports whether pid exists and is not a zombie; an exited
+// child of another parent can linger as a zombie until that parent reaps it.
+func processAlive(pid int) bool {
+	if err := syscall.Kill(pid, 0); errors.Is(err, syscall.ESRCH) {
+		return false
+	}
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	// The state follows the parenthesised command name.
+	s := string(stat)
+	if i := strings.LastIndexByte(s, ')'); i >= 0 && i+2 < len(s) {
+		return s[i+2] != 'Z'
+	}
+	return true
+}

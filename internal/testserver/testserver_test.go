@@ -9,7 +9,6 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -48,6 +47,25 @@ func TestRedis(t *testing.T) {
 	assert.Less(t, time.Since(start), 2*time.Second)
 	r.Resume(t)
 	require.NoError(t, impatient.Ping(ctx).Err())
+}
+
+// TestRedisRestartKeepsAppendOnlyFile kills a server that persists every
+// write to its append-only file and expects Restart to bring the data back
+// in a new process on the same address.
+func TestRedisRestartKeepsAppendOnlyFile(t *testing.T) {
+	ctx := context.Background()
+	r := StartRedis(t, "--appendonly", "yes", "--appendfsync", "always")
+	c := r.Client()
+	require.NoError(t, c.Set(ctx, "k", "v", 0).Err())
+	pid, addr := r.pid(), r.Addr
+
+	r.Restart(t)
+	assert.False(t, processAlive(pid), "the first redis-server %d was killed", pid)
+	assert.NotEqual(t, pid, r.pid(), "a new process")
+	assert.Equal(t, addr, r.Addr)
+	got, err := c.Get(ctx, "k").Result()
+	require.NoError(t, err, "the write survives in the append-only file")
+	assert.Equal(t, "v", got)
 }
 
 func TestRedisExtraArgs(t *testing.T) {
@@ -241,6 +259,40 @@ func TestPostgres(t *testing.T) {
 	assert.NoDirExists(t, dir)
 }
 
+// TestPostgresRestart crashes the server with an immediate shutdown and
+// expects Restart to recover what was committed, on the same port.
+func TestPostgresRestart(t *testing.T) {
+	psql := lookPostgresBinary(t, "psql")
+	p := StartPostgres(t)
+	query := func(sql string) (string, error) {
+		out, err := exec.Command(psql, p.DSN, "-XAtc", sql).CombinedOutput()
+		return strings.TrimSpace(string(out)), err
+	}
+	out, err := query("CREATE TABLE t (v text); INSERT INTO t VALUES ('committed')")
+	require.NoError(t, err, "%s", out)
+	pid, port := postmasterPID(p.Dir), p.Port
+
+	p.Stop(t)
+	assert.False(t, processAlive(pid), "postmaster %d outlived Stop", pid)
+	_, err = query("SELECT 1")
+	assert.Error(t, err, "a query to a stopped server")
+	p.Stop(t) // idempotent
+
+	p.Restart(t)
+	assert.Equal(t, port, p.Port, "Restart keeps the port")
+	out, err = query("SELECT v FROM t")
+	require.NoError(t, err, "%s", out)
+	assert.Equal(t, "committed", out)
+	assert.Contains(t, readLog(p.logPath()), "not properly shut down", "the restart ran crash recovery")
+
+	pid = postmasterPID(p.Dir)
+	p.Restart(t)
+	assert.False(t, processAlive(pid), "Restart stops a running server first")
+	out, err = query("SELECT count(*) FROM t")
+	require.NoError(t, err, "%s", out)
+	assert.Equal(t, "1", out)
+}
+
 func TestMissingBinary(t *testing.T) {
 	const name = "testserver-no-such-binary"
 
@@ -304,22 +356,4 @@ func (r *recorder) run(f func()) {
 		}
 	}()
 	f()
-}
-
-// processAlive reports whether pid exists and is not a zombie; an exited
-// child of another parent can linger as a zombie until that parent reaps it.
-func processAlive(pid int) bool {
-	if err := syscall.Kill(pid, 0); errors.Is(err, syscall.ESRCH) {
-		return false
-	}
-	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	// The state follows the parenthesised command name.
-	s := string(stat)
-	if i := strings.LastIndexByte(s, ')'); i >= 0 && i+2 < len(s) {
-		return s[i+2] != 'Z'
-	}
-	return true
 }
