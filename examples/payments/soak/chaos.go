@@ -141,7 +141,9 @@ func chaos(ctx context.Context, svc *service, tl *timeline, r *rand.Rand) error 
 			}
 		}
 		free := !busy[slot] && n < len(busy)-1
-		busy[slot] = free
+		if free {
+			busy[slot] = true
+		}
 		mu.Unlock()
 		if !free {
 			continue

@@ -104,7 +104,7 @@ type redisBackend struct {
 	stop func() error
 }
 
-func (b *redisBackend) upstream() string          { return b.addr }
+func (b *redisBackend) upstream() string           { return b.addr }
 func (b *redisBackend) flags(addr string) []string { return []string{"-redis", addr} }
 
 func (b *redisBackend) gatewayCharges(ctx context.Context) ([]charge, error) {
