@@ -184,13 +184,6 @@ func openPostgres(ctx context.Context, cfg config) (*backends, error) {
 	if err != nil {
 		return nil, err
 	}
-	// pgx's default pool is max(4, CPUs) connections, one of which the
-	// store's LISTEN holds for good; every request needs one for its claim,
-	// the gateway, the ledger and its completion in turn, so under load
-	// requests queued for a connection. A DSN's pool_max_conns still wins.
-	if !strings.Contains(cfg.postgres, "pool_max_conns") {
-		pc.MaxConns = 16
-	}
 	// pgx bounds a query only by its context: a connection that goes
 	// silent holds a query with no deadline (a claim runs on the request's
 	// context) until the client gives up. Dialling, at least, is bounded.
