@@ -16,7 +16,7 @@ import (
 func TestSoak(t *testing.T) {
 	for _, store := range []string{"redis", "postgres"} {
 		t.Run(store, func(t *testing.T) {
-			cfg := config{store: store, duration: 12 * time.Second, instances: 3, clients: 8, seed: 15,
+			cfg := config{store: store, duration: 8 * time.Second, instances: 3, clients: 8, seed: 15,
 				lease: time.Second, wait: 5 * time.Second, sweep: 250 * time.Millisecond, work: 20 * time.Millisecond}
 			if store == "redis" {
 				cfg.redis = testserver.StartRedis(t).Addr
