@@ -180,7 +180,17 @@ func open(ctx context.Context, cfg config) (*backends, error) {
 }
 
 func openPostgres(ctx context.Context, cfg config) (*backends, error) {
-	pool, err := pgxpool.New(ctx, cfg.postgres)
+	pc, err := pgxpool.ParseConfig(cfg.postgres)
+	if err != nil {
+		return nil, err
+	}
+	// pgx bounds a query only by its context: a connection that goes
+	// silent holds a query with no deadline (a claim runs on the request's
+	// context) until the client gives up. Dialling, at least, is bounded.
+	if pc.ConnConfig.ConnectTimeout == 0 {
+		pc.ConnConfig.ConnectTimeout = 2 * time.Second
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
 		return nil, err
 	}
@@ -208,10 +218,26 @@ func openRedis(ctx context.Context, cfg config) (*backends, error) {
 		log.Printf("WARNING: no -redis or -postgres: using an embedded Redis (miniredis) at %s. "+
 			"It is not shared between processes: instances started this way do not act as one service.", addr)
 	}
-	var c redis.UniversalClient = redis.NewClient(&redis.Options{Addr: addr})
+	// go-redis's defaults leave a call on a silent connection (a
+	// partition: nothing answers, nothing is closed) hanging for its 3 s
+	// ReadTimeout, and then resend it up to MaxRetries (3) times: a claim,
+	// which runs on the request's context and so has no deadline, kept
+	// its client 10 s and more before the 503 that sends it elsewhere.
+	// ContextTimeoutEnabled makes the Guard's own deadlines (renewals,
+	// completions: the lease's end) bound the socket too, and not only the
+	// wait for a connection. A second is still hundreds of times a healthy
+	// round trip; one resend keeps go-redis's recovery from a reset
+	// connection, which the library's scripts are written to survive.
+	timeouts := redis.Options{DialTimeout: time.Second, ReadTimeout: time.Second, WriteTimeout: time.Second,
+		MaxRetries: 1, ContextTimeoutEnabled: true}
+	ro := timeouts
+	ro.Addr = addr
+	var c redis.UniversalClient = redis.NewClient(&ro)
 	if cfg.cluster != "" {
 		addr = cfg.cluster
-		c = redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(cfg.cluster, ",")})
+		c = redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(cfg.cluster, ","),
+			DialTimeout: timeouts.DialTimeout, ReadTimeout: timeouts.ReadTimeout, WriteTimeout: timeouts.WriteTimeout,
+			MaxRetries: timeouts.MaxRetries, ContextTimeoutEnabled: timeouts.ContextTimeoutEnabled})
 	}
 	if err := c.Ping(ctx).Err(); err != nil {
 		c.Close()
