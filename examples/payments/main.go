@@ -184,9 +184,9 @@ func openPostgres(ctx context.Context, cfg config) (*backends, error) {
 	if err != nil {
 		return nil, err
 	}
-	// pgx bounds a query only by its context: a connection that goes
-	// silent holds a query with no deadline (a claim runs on the request's
-	// context) until the client gives up. Dialling, at least, is bounded.
+	// pgx bounds a query by its context, which the Guard gives a deadline
+	// (Options.ClaimTimeout for a claim, the lease's end for an owner's
+	// calls); dialling is bounded by ConnectTimeout alone.
 	if pc.ConnConfig.ConnectTimeout == 0 {
 		pc.ConnConfig.ConnectTimeout = 2 * time.Second
 	}
@@ -218,26 +218,17 @@ func openRedis(ctx context.Context, cfg config) (*backends, error) {
 		log.Printf("WARNING: no -redis or -postgres: using an embedded Redis (miniredis) at %s. "+
 			"It is not shared between processes: instances started this way do not act as one service.", addr)
 	}
-	// go-redis's defaults leave a call on a silent connection (a
-	// partition: nothing answers, nothing is closed) hanging for its 3 s
-	// ReadTimeout, and then resend it up to MaxRetries (3) times: a claim,
-	// which runs on the request's context and so has no deadline, kept
-	// its client 10 s and more before the 503 that sends it elsewhere.
-	// ContextTimeoutEnabled makes the Guard's own deadlines (renewals,
-	// completions: the lease's end) bound the socket too, and not only the
-	// wait for a connection. A second is still hundreds of times a healthy
-	// round trip; one resend keeps go-redis's recovery from a reset
-	// connection, which the library's scripts are written to survive.
-	timeouts := redis.Options{DialTimeout: time.Second, ReadTimeout: time.Second, WriteTimeout: time.Second,
-		MaxRetries: 1, ContextTimeoutEnabled: true}
-	ro := timeouts
-	ro.Addr = addr
-	var c redis.UniversalClient = redis.NewClient(&ro)
+	// ContextTimeoutEnabled lets the Guard's deadlines bound the socket
+	// too: a claim's (Options.ClaimTimeout) and an owner's calls' (the
+	// lease's end). Without it a call on a silent connection (a partition:
+	// nothing answers, nothing is closed) waits out go-redis's 3 s
+	// ReadTimeout whatever its deadline, and is resent up to MaxRetries (3)
+	// times: in the soak (examples/payments/soak) that kept clients up to 9 s
+	// before the 503 that sends them to another instance.
+	var c redis.UniversalClient = redis.NewClient(&redis.Options{Addr: addr, DialTimeout: time.Second, ContextTimeoutEnabled: true})
 	if cfg.cluster != "" {
 		addr = cfg.cluster
-		c = redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(cfg.cluster, ","),
-			DialTimeout: timeouts.DialTimeout, ReadTimeout: timeouts.ReadTimeout, WriteTimeout: timeouts.WriteTimeout,
-			MaxRetries: timeouts.MaxRetries, ContextTimeoutEnabled: timeouts.ContextTimeoutEnabled})
+		c = redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(cfg.cluster, ","), DialTimeout: time.Second, ContextTimeoutEnabled: true})
 	}
 	if err := c.Ping(ctx).Err(); err != nil {
 		c.Close()
