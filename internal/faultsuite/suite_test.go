@@ -228,7 +228,10 @@ func (r *run) verify(t *testing.T) {
 type tally struct {
 	calls, dups, waited, renewals, renewalFailed int
 	executions, takeovers                        int
-	doubles, lost, wrong, stranded               int
+	// early counts the duplicates answered ErrInFlight before their
+	// wait timed out: fail closed, but a 409 a client did not need.
+	early                          int
+	doubles, lost, wrong, stranded int
 	// answers counts the calls by answer: executed, replayed, or the error.
 	answers         map[string]int
 	worst, worstErr time.Duration // the longest call, and failed call
@@ -240,8 +243,8 @@ func (tl *tally) problem(format string, args ...any) {
 }
 
 func (tl *tally) notes() string {
-	return fmt.Sprintf("executions %d (takeovers %d), waiters %d, renewals %d (failed %d), answers %v, wrong answers %d, worst call %v (failed: %v)",
-		tl.executions, tl.takeovers, tl.waited, tl.renewals, tl.renewalFailed, tl.answers, tl.wrong,
+	return fmt.Sprintf("executions %d (takeovers %d), waiters %d (early ErrInFlight %d), renewals %d (failed %d), answers %v, wrong answers %d, worst call %v (failed: %v)",
+		tl.executions, tl.takeovers, tl.waited, tl.early, tl.renewals, tl.renewalFailed, tl.answers, tl.wrong,
 		tl.worst.Round(time.Millisecond), tl.worstErr.Round(time.Millisecond))
 }
 
@@ -299,6 +302,9 @@ func (r *run) count() *tally {
 		case failure(c.err) != "":
 			tl.worstErr = max(tl.worstErr, d)
 			tl.answers[failure(c.err)]++
+			if errors.Is(c.err, idempotency.ErrInFlight) && c.waited < waitTimeout {
+				tl.early++
+			}
 		default:
 			tl.wrong++
 			tl.answers["other"]++
