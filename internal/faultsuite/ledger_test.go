@@ -109,7 +109,8 @@ func bodyOf(key string, id, size int) string {
 }
 
 // answered is the execution a success answered, or an error saying why the
-// answer is not a response an execution of c's key returned.
+// answer is not a response an execution of c's key returned. l.mu must be
+// held.
 func (l *ledger) answered(c *call) (*execution, error) {
 	body := string(c.res.Response.Body)
 	head, _, _ := strings.Cut(body, "|")
