@@ -386,23 +386,35 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 	recheck := time.NewTimer(g.opts.RecheckInterval)
 	defer recheck.Stop()
 	req.Watch = true
+	// failed is the last re-read's error, and failures how many in a row
+	// failed: a re-read the store could not answer (a connection reset, a
+	// reply lost) is tried again until the wait ends, rather than ending it
+	// long before WaitTimeout. Whatever failed, the original is known to be
+	// running, so this request is never run beside it (say, by failing
+	// open): its error always matches ErrInFlight.
+	var failed error
+	failures := 0
 	for {
 		// Not wctx: a claim cut short by the wait's deadline might still
 		// take the record on the server, leaving an owner nobody knows of.
 		sent = time.Now()
 		c, err = bounded(ctx, g.opts.ClaimTimeout, "claim", func(ctx context.Context) (Claim, error) { return g.store.Claim(ctx, req) })
-		if err != nil {
-			// The original is known to be running: whatever else failed,
-			// this request must not be run beside it (say, by failing open).
+		switch {
+		case err != nil && (ctx.Err() != nil || !errors.Is(err, ErrUnavailable)):
 			t.op = OpClaim
 			return c, sent, errors.Join(ErrInFlight, err)
-		}
-		if c.State != InFlight {
+		case err != nil:
+			failed = err
+			recheck.Reset(min(g.opts.RecheckInterval, rereadBackoff<<min(failures, 4)))
+			failures++
+		case c.State != InFlight:
 			return c, sent, claimErr(c, nil)
+		default:
+			failed, failures = nil, 0
+			// An owner that stopped renewing is taken over as soon as its
+			// lease runs out, rather than at the next regular re-read.
+			recheck.Reset(min(g.opts.RecheckInterval, c.LeaseLeft+time.Millisecond))
 		}
-		// An owner that stopped renewing is taken over as soon as its
-		// lease runs out, rather than at the next regular re-read.
-		recheck.Reset(min(g.opts.RecheckInterval, c.LeaseLeft+time.Millisecond))
 		select {
 		case <-wake.C():
 		case <-recheck.C:
@@ -410,14 +422,19 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 			if ctx.Err() != nil {
 				return c, sent, ctx.Err()
 			}
+			if failed != nil {
+				t.op = OpClaim
+				return c, sent, errors.Join(ErrInFlight, failed)
+			}
 			return c, sent, ErrInFlight
 		}
 	}
 }
 
 // bounded makes a claim or a subscription, call, with ctx ended after
-// timeout, Options.ClaimTimeout. Cut off by that bound while ctx still runs, it fails
-// with ErrUnavailable: the caller is waiting, the store is not answering.
+// timeout, Options.ClaimTimeout. Cut off by that bound while ctx still
+// runs, it fails with ErrUnavailable: the caller is waiting, the store is
+// not answering.
 func bounded[T any](ctx context.Context, timeout time.Duration, what string, call func(context.Context) (T, error)) (T, error) {
 	if timeout < 0 {
 		return call(ctx)
@@ -430,6 +447,11 @@ func bounded[T any](ctx context.Context, timeout time.Duration, what string, cal
 	}
 	return v, err
 }
+
+// rereadBackoff is how long a waiter waits, unless woken, before it tries a
+// re-read that failed once more; it doubles with each failure in a row, up
+// to 16 times, and never exceeds RecheckInterval.
+const rereadBackoff = 50 * time.Millisecond
 
 func claimErr(c Claim, err error) error {
 	if err != nil {
