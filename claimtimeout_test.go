@@ -17,11 +17,12 @@ import (
 )
 
 // A store that stops answering claims: Do fails with ErrUnavailable once
-// ClaimTimeout has passed, whether the first claim hangs or a waiter's
-// subscription or re-read does, and the operation does not run. The bounds
-// on the elapsed time only catch a hang.
+// ClaimTimeout has passed when the first claim or a waiter's subscription
+// hangs; a waiter whose re-reads hang tries them again until its
+// WaitTimeout, and then fails the same way. The operation never runs. The
+// upper bounds on the elapsed time only catch a hang.
 func TestClaimTimeout(t *testing.T) {
-	const timeout = 200 * time.Millisecond
+	const timeout, wait = 200 * time.Millisecond, time.Second
 	fp := FingerprintOf("op", nil)
 	for _, c := range []struct {
 		name   string
@@ -52,7 +53,7 @@ func TestClaimTimeout(t *testing.T) {
 				}
 				return nil
 			}}
-			g := New(s, Options{ClaimTimeout: timeout, WaitTimeout: time.Minute})
+			g := New(s, Options{ClaimTimeout: timeout, WaitTimeout: wait})
 			start := time.Now()
 			_, err := g.Do(context.Background(), k, fp, func(context.Context) (Response, error) {
 				t.Error("the operation ran")
@@ -65,7 +66,11 @@ func TestClaimTimeout(t *testing.T) {
 				assert.ErrorIs(t, err, ErrInFlight, "the original is known to be running")
 			}
 			assert.GreaterOrEqual(t, elapsed, timeout)
-			assert.Less(t, elapsed, timeout+5*time.Second, "Do hung past ClaimTimeout")
+			if c.hangOn == "watching claim" {
+				assert.GreaterOrEqual(t, elapsed, wait, "the waiter gave up before its WaitTimeout")
+				assert.Greater(t, claims, 2, "a hung re-read was not tried again")
+			}
+			assert.Less(t, elapsed, wait+timeout+5*time.Second, "Do hung past ClaimTimeout")
 		})
 	}
 }
