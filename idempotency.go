@@ -346,7 +346,7 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 	req := ClaimRequest{Key: k, Fingerprint: fp, OperationID: newOperationID(), Lease: g.opts.Lease, Retention: g.opts.Retention}
 	sent = time.Now()
 	cctx, endClaim := g.startPhase(ctx, PhaseClaim, PhaseStart{Scope: k.Scope})
-	c, err = bounded(cctx, g.opts.ClaimTimeout, "claim", func(ctx context.Context) (Claim, error) { return g.store.Claim(ctx, req) })
+	c, err = g.claimOnce(cctx, req)
 	endClaim(err)
 	if err != nil {
 		t.op = OpClaim
@@ -374,7 +374,10 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 	defer cancel()
 	// Subscribe before re-reading: a completion that lands between the two
 	// is then either seen by the re-read or delivered as a wake-up.
-	wake, err := bounded(wctx, g.opts.ClaimTimeout, "subscribe", func(ctx context.Context) (Subscription, error) { return g.store.Subscribe(ctx, k) })
+	sctx, cancelSub := g.bounded(wctx)
+	wake, err := g.store.Subscribe(sctx, k)
+	cancelSub()
+	err = g.cutOff(wctx, sctx, "subscribe", err)
 	if err != nil {
 		if wctx.Err() != nil && ctx.Err() == nil {
 			return c, sent, ErrInFlight
@@ -398,7 +401,7 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 		// Not wctx: a claim cut short by the wait's deadline might still
 		// take the record on the server, leaving an owner nobody knows of.
 		sent = time.Now()
-		c, err = bounded(ctx, g.opts.ClaimTimeout, "claim", func(ctx context.Context) (Claim, error) { return g.store.Claim(ctx, req) })
+		c, err = g.claimOnce(ctx, req)
 		switch {
 		case err != nil && (ctx.Err() != nil || !errors.Is(err, ErrUnavailable)):
 			t.op = OpClaim
@@ -431,21 +434,32 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 	}
 }
 
-// bounded makes a claim or a subscription, call, with ctx ended after
-// timeout, Options.ClaimTimeout. Cut off by that bound while ctx still
-// runs, it fails with ErrUnavailable: the caller is waiting, the store is
-// not answering.
-func bounded[T any](ctx context.Context, timeout time.Duration, what string, call func(context.Context) (T, error)) (T, error) {
-	if timeout < 0 {
-		return call(ctx)
+// claimOnce makes one claim, bounded by Options.ClaimTimeout.
+func (g *Guard) claimOnce(ctx context.Context, req ClaimRequest) (Claim, error) {
+	bctx, cancel := g.bounded(ctx)
+	c, err := g.store.Claim(bctx, req)
+	cancel()
+	return c, g.cutOff(ctx, bctx, "claim", err)
+}
+
+// bounded returns ctx ended after Options.ClaimTimeout, for a claim or a
+// subscription. A context that ends sooner anyway is returned as it is: the
+// bound costs five allocations a call.
+func (g *Guard) bounded(ctx context.Context) (context.Context, context.CancelFunc) {
+	if d, ok := ctx.Deadline(); g.opts.ClaimTimeout < 0 || ok && time.Until(d) <= g.opts.ClaimTimeout {
+		return ctx, func() {}
 	}
-	bctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	v, err := call(bctx)
+	return context.WithTimeout(ctx, g.opts.ClaimTimeout)
+}
+
+// cutOff is err, from a call on bctx made by bounded from ctx: a call cut
+// off by that bound while ctx still runs fails with ErrUnavailable, since
+// the caller is waiting and the store is not answering.
+func (g *Guard) cutOff(ctx, bctx context.Context, what string, err error) error {
 	if err != nil && ctx.Err() == nil && bctx.Err() != nil {
-		err = fmt.Errorf("%w: %s unanswered after Options.ClaimTimeout %v: %w", ErrUnavailable, what, timeout, err)
+		return fmt.Errorf("%w: %s unanswered after Options.ClaimTimeout %v: %w", ErrUnavailable, what, g.opts.ClaimTimeout, err)
 	}
-	return v, err
+	return err
 }
 
 // rereadBackoff is how long a waiter waits, unless woken, before it tries a
