@@ -374,12 +374,10 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 	defer cancel()
 	// Subscribe before re-reading: a completion that lands between the two
 	// is then either seen by the re-read or delivered as a wake-up.
-	sctx, cancelSub := g.bounded(wctx)
-	wake, err := g.store.Subscribe(sctx, k)
-	cancelSub()
-	err = g.cutOff(wctx, sctx, "subscribe", err)
+	wake, err := g.subscribe(wctx, k)
 	if err != nil {
-		if wctx.Err() != nil && ctx.Err() == nil {
+		if wctx.Err() != nil && ctx.Err() == nil && !errors.Is(err, ErrUnavailable) {
+			// The wait ended before the store confirmed.
 			return c, sent, ErrInFlight
 		}
 		t.op = OpSubscribe
@@ -408,7 +406,7 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 			return c, sent, errors.Join(ErrInFlight, err)
 		case err != nil:
 			failed = err
-			recheck.Reset(min(g.opts.RecheckInterval, rereadBackoff<<min(failures, 4)))
+			recheck.Reset(g.retryDelay(failures))
 			failures++
 		case c.State != InFlight:
 			return c, sent, claimErr(c, nil)
@@ -432,6 +430,36 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 			return c, sent, ErrInFlight
 		}
 	}
+}
+
+// subscribe subscribes to k's wake-ups for a wait that ends with wctx. A
+// subscription the store could not confirm (ErrUnavailable: say, its pub/sub
+// connection was reset that moment) is tried again after retryDelay until
+// the wait ends, as a failed re-read is, rather than answering the waiter
+// ErrInFlight long before WaitTimeout.
+func (g *Guard) subscribe(wctx context.Context, k Key) (Subscription, error) {
+	for failures := 0; ; failures++ {
+		sctx, cancel := g.bounded(wctx)
+		wake, err := g.store.Subscribe(sctx, k)
+		cancel()
+		err = g.cutOff(wctx, sctx, "subscribe", err)
+		if err == nil || wctx.Err() != nil || !errors.Is(err, ErrUnavailable) {
+			return wake, err
+		}
+		retry := time.NewTimer(g.retryDelay(failures))
+		select {
+		case <-retry.C:
+		case <-wctx.Done():
+			retry.Stop()
+			return nil, err
+		}
+	}
+}
+
+// retryDelay is how long a waiter waits before it tries again a re-read or
+// a subscription that failed failures+1 times in a row.
+func (g *Guard) retryDelay(failures int) time.Duration {
+	return min(g.opts.RecheckInterval, rereadBackoff<<min(failures, 4))
 }
 
 // claimOnce makes one claim, bounded by Options.ClaimTimeout.
@@ -463,8 +491,8 @@ func (g *Guard) cutOff(ctx, bctx context.Context, what string, err error) error 
 }
 
 // rereadBackoff is how long a waiter waits, unless woken, before it tries a
-// re-read that failed once more; it doubles with each failure in a row, up
-// to 16 times, and never exceeds RecheckInterval.
+// re-read or a subscription that failed once more; it doubles with each
+// failure in a row, up to 16 times, and never exceeds RecheckInterval.
 const rereadBackoff = 50 * time.Millisecond
 
 func claimErr(c Claim, err error) error {

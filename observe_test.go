@@ -211,9 +211,11 @@ func TestObserverSequences(t *testing.T) {
 		s := NewMemoryStore(MemoryOptions{})
 		_, err := s.Claim(ctx, ClaimRequest{Key: k(t), Fingerprint: fp, OperationID: "op-live", Lease: time.Hour, Retention: time.Hour})
 		require.NoError(t, err)
-		g, ev := guard(&subscribeFails{s}, Options{})
+		// The subscription is tried again until the wait ends.
+		g, ev := guard(&subscribeFails{s}, Options{WaitTimeout: 200 * time.Millisecond})
 		_, err = g.Do(ctx, k(t), fp, ok201)
 		require.ErrorIs(t, err, ErrUnavailable)
+		require.ErrorIs(t, err, ErrInFlight)
 		assert.Equal(t, []string{"outcome unavailable op=subscribe"}, ev.lines())
 	})
 
