@@ -376,7 +376,7 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 	// is then either seen by the re-read or delivered as a wake-up.
 	wake, err := g.subscribe(wctx, k)
 	if err != nil {
-		if wctx.Err() != nil && ctx.Err() == nil && !errors.Is(err, ErrUnavailable) {
+		if wctx.Err() != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, errCutOff) {
 			// The wait ended before the store confirmed.
 			return c, sent, ErrInFlight
 		}
@@ -398,7 +398,14 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 	for {
 		// Not wctx: a claim cut short by the wait's deadline might still
 		// take the record on the server, leaving an owner nobody knows of.
-		sent = time.Now()
+		// ClaimTimeout cuts short only a claim the store does not answer,
+		// and the next re-read, with the same operation ID, finds such a
+		// claim again on Redis. Its lease then counts from the earliest
+		// unanswered send, not from the re-read's: the server's deadline
+		// is that send's.
+		if failed == nil {
+			sent = time.Now()
+		}
 		c, err = g.claimOnce(ctx, req)
 		switch {
 		case err != nil && (ctx.Err() != nil || !errors.Is(err, ErrUnavailable)):
@@ -438,14 +445,23 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 // the wait ends, as a failed re-read is, rather than answering the waiter
 // ErrInFlight long before WaitTimeout.
 func (g *Guard) subscribe(wctx context.Context, k Key) (Subscription, error) {
+	var failed error // the last attempt's, when it failed with ErrUnavailable
 	for failures := 0; ; failures++ {
 		sctx, cancel := g.bounded(wctx)
 		wake, err := g.store.Subscribe(sctx, k)
 		cancel()
 		err = g.cutOff(wctx, sctx, "subscribe", err)
-		if err == nil || wctx.Err() != nil || !errors.Is(err, ErrUnavailable) {
-			return wake, err
+		switch {
+		case err == nil:
+			return wake, nil
+		case wctx.Err() != nil && failed != nil:
+			// The wait ended during a retry: the store's failure is the
+			// answer, not the wait's end.
+			return nil, failed
+		case wctx.Err() != nil || !errors.Is(err, ErrUnavailable):
+			return nil, err
 		}
+		failed = err
 		retry := time.NewTimer(g.retryDelay(failures))
 		select {
 		case <-retry.C:
@@ -482,17 +498,23 @@ func (g *Guard) bounded(ctx context.Context) (context.Context, context.CancelFun
 
 // cutOff is err, from a call on bctx made by bounded from ctx: a call cut
 // off by that bound while ctx still runs fails with ErrUnavailable, since
-// the caller is waiting and the store is not answering.
+// the caller is waiting and the store is not answering. Any other error is
+// the store's own, kept as it is (bctx may be cancelled by now: only its
+// deadline counts).
 func (g *Guard) cutOff(ctx, bctx context.Context, what string, err error) error {
-	if err != nil && ctx.Err() == nil && bctx.Err() != nil {
-		return fmt.Errorf("%w: %s unanswered after Options.ClaimTimeout %v: %w", ErrUnavailable, what, g.opts.ClaimTimeout, err)
+	if err != nil && ctx.Err() == nil && errors.Is(bctx.Err(), context.DeadlineExceeded) {
+		return fmt.Errorf("%w: %s %w (%v): %w", ErrUnavailable, what, errCutOff, g.opts.ClaimTimeout, err)
 	}
 	return err
 }
 
+// errCutOff marks a call that Options.ClaimTimeout cut off.
+var errCutOff = errors.New("unanswered within Options.ClaimTimeout")
+
 // rereadBackoff is how long a waiter waits, unless woken, before it tries a
 // re-read or a subscription that failed once more; it doubles with each
-// failure in a row, up to 16 times, and never exceeds RecheckInterval.
+// failure in a row up to 16 times itself (800ms), and never exceeds
+// RecheckInterval.
 const rereadBackoff = 50 * time.Millisecond
 
 func claimErr(c Claim, err error) error {
