@@ -195,3 +195,31 @@ func TestParseClaimImpossibleReplies(t *testing.T) {
 	require.NoError(t, err)
 	assert.Positive(t, c.LeaseLeft, "the longest lease left")
 }
+
+// A value this version did not write, indexed as in flight (a record that
+// was corrupted, or rewritten by another program, after its claim), is
+// dropped from the in-flight index by the listing and does not fail it: the
+// abandoned records of every other key are still listed, for Sweep.
+func TestAbandonedSkipsForeignRecords(t *testing.T) {
+	redisBackends(t, func(t *testing.T, c *redis.Client) {
+		s := newRedisStore(t, c)
+		ctx := context.Background()
+		fp := FingerprintOf("op", nil)
+		dead := Key{Name: "dead"}
+		_, err := s.Claim(ctx, ClaimRequest{Key: dead, Fingerprint: fp, OperationID: "op_dead", Lease: time.Millisecond, Retention: time.Hour})
+		require.NoError(t, err)
+		foreign := Key{Name: "foreign"}
+		rec, bk := s.recordKey(foreign)
+		// A deadline of 16 digits, which decode refuses.
+		require.NoError(t, c.Set(ctx, rec, "p"+string(fp[:])+"\x04op_1"+"1000000000000000 7 1 00 ", time.Hour).Err())
+		require.NoError(t, c.ZAdd(ctx, bk.leases.(string), redis.Z{Score: 1, Member: rec}).Err())
+		time.Sleep(5 * time.Millisecond)
+
+		got, err := s.Abandoned(ctx, 10)
+		require.NoError(t, err)
+		require.Len(t, got, 1)
+		assert.Equal(t, dead, got[0].Key)
+		_, err = c.ZScore(ctx, bk.leases.(string), rec).Result()
+		assert.ErrorIs(t, err, redis.Nil, "the foreign value's index entry was kept")
+	})
+}

@@ -9,15 +9,21 @@ local out = {}
 local due = redis.call('ZRANGEBYSCORE', leases, '-inf', t, 'LIMIT', 0, tonumber(ARGV[1]))
 for _, rec in ipairs(due) do
   local v = redis.call('GET', rec)
+  local op, deadline
   if v and state(v) == IN_FLIGHT then
-    local _, deadline = decode(v)
+    op, deadline = decode(v)
+  end
+  if op then
     if tonumber(deadline) <= t then
       out[#out + 1] = rec
       out[#out + 1] = fingerprint(v)
       out[#out + 1] = deadline
     end
   else
-    -- Completed, released or expired: the entry is stale.
+    -- Completed, released or expired: the entry is stale. So is one
+    -- whose value this version did not write (see decode): no claim takes
+    -- it over, so no sweep can settle it, and it must not fail the
+    -- listing of the others.
     redis.call('ZREM', leases, rec)
   end
 end
