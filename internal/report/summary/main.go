@@ -1,15 +1,17 @@
 // Command summary prints the reliability suite's one summary from the file
 // the tests appended to (see package report), and exits with status 1 if it
 // shows a double execution, a lost or replaced completion, a stranded waiter
-// or a history that is not linearizable.
+// or a history that is not linearizable, or if a suite named by -require
+// left no entry (its tests were skipped, say).
 //
 //	IDEMPOTENCY_REPORT=/tmp/r go test ./...
-//	go run ./internal/report/summary /tmp/r
+//	go run ./internal/report/summary [-require faults,soak,...] /tmp/r
 package main
 
 import (
 	"bufio"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -20,11 +22,13 @@ import (
 )
 
 func main() {
-	if len(os.Args) != 2 {
-		fmt.Fprintln(os.Stderr, "usage: summary REPORT-FILE")
+	require := flag.String("require", "", "comma-separated `suites` that must have left an entry")
+	flag.Parse()
+	if flag.NArg() != 1 {
+		fmt.Fprintln(os.Stderr, "usage: summary [-require SUITES] REPORT-FILE")
 		os.Exit(2)
 	}
-	f, err := os.Open(os.Args[1])
+	f, err := os.Open(flag.Arg(0))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)
@@ -35,9 +39,30 @@ func main() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)
 	}
-	if !summarize(os.Stdout, entries) {
+	ok := summarize(os.Stdout, entries)
+	if missing := absent(entries, *require); len(missing) > 0 {
+		fmt.Printf("FAIL: no entry from %s\n", strings.Join(missing, ", "))
+		ok = false
+	}
+	if !ok {
 		os.Exit(1)
 	}
+}
+
+// absent returns the suites of the comma-separated list required that no
+// entry comes from.
+func absent(entries []report.Entry, required string) []string {
+	seen := map[string]bool{}
+	for _, e := range entries {
+		seen[e.Suite] = true
+	}
+	var missing []string
+	for _, s := range strings.Split(required, ",") {
+		if s != "" && !seen[s] {
+			missing = append(missing, s)
+		}
+	}
+	return missing
 }
 
 func read(r io.Reader) ([]report.Entry, error) {

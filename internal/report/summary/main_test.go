@@ -6,6 +6,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-go/idempotency/internal/report"
 )
 
 func TestSummarize(t *testing.T) {
@@ -50,4 +52,11 @@ func TestSummarizeFails(t *testing.T) {
 func TestReadRejectsGarbage(t *testing.T) {
 	_, err := read(strings.NewReader("{\"suite\":\"x\"}\nnot json\n"))
 	assert.ErrorContains(t, err, "line 2")
+}
+
+func TestAbsent(t *testing.T) {
+	entries := []report.Entry{{Suite: "faults"}, {Suite: "fuzz"}, {Suite: "faults"}}
+	assert.Equal(t, []string{"soak", "restarts"}, absent(entries, "faults,soak,fuzz,restarts"))
+	assert.Empty(t, absent(entries, "fuzz,faults"))
+	assert.Empty(t, absent(entries, ""))
 }
