@@ -29,8 +29,9 @@ const (
 	// strandedAfter is how long after its key's outcome was first answered
 	// a duplicate may still give up waiting with ErrInFlight: it re-reads
 	// the record at least once a lease, woken or not, and a read may take
-	// a fault's while.
-	strandedAfter = lease + 500*time.Millisecond
+	// a fault's while (up to 500ms) and a loaded machine's. It stays well
+	// under waitTimeout, so that a waiter deaf to the answer is counted.
+	strandedAfter = lease + time.Second
 	// drainFor bounds the wait for the calls still running when the load
 	// stops; those unanswered by then count as stranded.
 	drainFor = 20 * time.Second
