@@ -78,22 +78,41 @@ func TestClaimTimeout(t *testing.T) {
 	}
 }
 
-// With a negative ClaimTimeout only the caller's context bounds a claim, and
-// its end is the caller's, not the store's unavailability.
-func TestClaimTimeoutNegative(t *testing.T) {
-	s := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: func(ctx context.Context, op string) error {
-		return hang(t, ctx, false)
-	}}
-	g := New(s, Options{ClaimTimeout: -1})
-	ctx, cancel := context.WithTimeout(context.Background(), 2500*time.Millisecond)
-	defer cancel()
-	start := time.Now()
-	_, err := g.Do(ctx, Key{Name: "k"}, FingerprintOf("op", nil), func(context.Context) (Response, error) {
-		return Response{}, nil
-	})
-	assert.ErrorIs(t, err, context.DeadlineExceeded)
-	assert.NotContains(t, err.Error(), "ClaimTimeout")
-	assert.GreaterOrEqual(t, time.Since(start), 2500*time.Millisecond, "the default 2s bound applied")
+// A claim's context ends ClaimTimeout after it starts (default 5s), unless
+// the caller's ends sooner; a negative ClaimTimeout leaves the caller's as
+// it is.
+func TestClaimTimeoutBound(t *testing.T) {
+	mem := NewMemoryStore(MemoryOptions{})
+	for _, c := range []struct {
+		name    string
+		opt     time.Duration
+		caller  time.Duration // the caller's deadline from now; 0: none
+		bounded time.Duration // the claim's, from now; 0: the caller's
+	}{
+		{"default", 0, 0, 5 * time.Second},
+		{"set", time.Second, 0, time.Second},
+		{"a caller that ends sooner", time.Second, 100 * time.Millisecond, 0},
+		{"a caller that ends later", time.Second, time.Minute, time.Second},
+		{"negative", -1, 0, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx := context.Background()
+			if c.caller > 0 {
+				var cancel context.CancelFunc
+				ctx, cancel = context.WithTimeout(ctx, c.caller)
+				defer cancel()
+			}
+			bctx, cancel := New(mem, Options{ClaimTimeout: c.opt}).bounded(ctx)
+			defer cancel()
+			got, ok := bctx.Deadline()
+			want, wantOK := ctx.Deadline()
+			if c.bounded > 0 {
+				want, wantOK = time.Now().Add(c.bounded), true
+			}
+			require.Equal(t, wantOK, ok)
+			assert.WithinDuration(t, want, got, time.Second)
+		})
+	}
 }
 
 // An instance whose link to a real redis-server goes silent answers a new

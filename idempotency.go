@@ -197,7 +197,11 @@ type Options struct {
 	// out, as after a crash. The bound holds as far as the store's client
 	// honours context deadlines: pgx does; go-redis does with
 	// redis.Options{ContextTimeoutEnabled: true}, and otherwise gives up
-	// within one ReadTimeout. Default 2s; negative: no bound but the
+	// within one ReadTimeout. Default 5s: above go-redis's default
+	// ReadTimeout (3s), so that a call that first meets a dead node (a
+	// cluster client reloading its slots from a failed replica) can still
+	// succeed on another; an API that would rather answer 503 sooner sets
+	// less, with client timeouts to match. Negative: no bound but the
 	// caller's context.
 	ClaimTimeout time.Duration
 }
@@ -219,7 +223,7 @@ func (o Options) withDefaults() Options {
 		o.MaxWaiters = 10000
 	}
 	if o.ClaimTimeout == 0 {
-		o.ClaimTimeout = 2 * time.Second
+		o.ClaimTimeout = 5 * time.Second
 	}
 	return o
 }

@@ -94,8 +94,11 @@ func run(cfg config) error {
 	// closed store.
 	defer m.shutdown()
 	a := &api{gateway: b.gateway, ledger: b.ledger, metrics: m.handler}
+	// A claim the store has not answered in 2 s is answered 503, so the
+	// client retries on another instance rather than wait on a silent
+	// link; the store clients below honour that deadline.
 	guard := idempotency.New(b.store, idempotency.Options{Lease: cfg.lease, WaitTimeout: cfg.wait, Recover: a.recoverCharge,
-		Observer: m.observer})
+		Observer: m.observer, ClaimTimeout: 2 * time.Second})
 	defer m.observer.Track(guard)()
 	if cfg.sweep > 0 {
 		sweepCtx, stopSweep := context.WithCancel(ctx)
