@@ -330,7 +330,11 @@ func clusterUnconfirmedClaim(t *testing.T, cl *testserver.Cluster) {
 		})
 		original <- err
 	}()
-	<-started
+	select {
+	case <-started:
+	case err := <-original:
+		t.Fatalf("the original did not run: %v", err)
+	}
 	master.Stop(t)
 	replica.Resume(t)
 	rec, _ := s.recordKey(k)
