@@ -190,8 +190,8 @@ type Options struct {
 	// ClaimTimeout bounds each claim (the first, and a waiting duplicate's
 	// re-reads) and each wait's subscription: a store that has not answered
 	// within it fails the call with ErrUnavailable, so that a request on an
-	// instance whose link to the store went silent is answered at once (a
-	// 503 from the middleware) instead of hanging, and its client can retry
+	// instance whose link to the store went silent is answered (a 503 from
+	// the middleware) instead of hanging, and its client can retry
 	// elsewhere. A claim the store applied but could not answer in time
 	// leaves a record that nobody runs: it is taken over once its lease runs
 	// out, as after a crash. The bound holds as far as the store's client
