@@ -3,32 +3,39 @@ package idempotency
 import (
 	"context"
 	"errors"
+	"fmt"
+	"slices"
 	"sync"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
 
 // batcher sends the scripts of concurrent operations to Redis together.
 // A call finding fewer than maxFlying sends in flight is sent at once, by
-// itself; a call arriving while they are all in flight queues, and when one
-// of them ends, every call queued meanwhile goes out in one pipeline, led by
-// the first of them. Under load most round trips then carry many scripts,
-// and the system calls a round trip costs, on the client and on the server,
-// are shared; an idle store sends each script alone, at once.
+// itself, on its caller's goroutine; a call arriving while they are all in
+// flight queues, and when one of them ends, every call queued meanwhile goes
+// out in one pipeline, sent from a goroutine of its own. Under load most
+// round trips then carry many scripts, and the system calls a round trip
+// costs, on the client and on the server, are shared; an idle store sends
+// each script alone, at once.
 //
 // Each call keeps its own command, filled in by the pipeline in order, so
-// no reply can reach another call. A queued call waits for the send ahead of
-// it whatever its context says: that send ends within the client's
-// timeouts, and a call must not leave a queue it may be asked to lead.
+// no reply can reach another call. A queued call returns when its context
+// ends, sent or not: a call still in the queue leaves it unsent, and one
+// whose pipeline is on its way fails with its context's error while the
+// pipeline goes on. A pipeline runs until the latest deadline of its calls
+// (none, if one of them has none), so that it cuts none of them short; with
+// a client that honours deadlines (ContextTimeoutEnabled) every call then
+// returns by its own.
 type batcher struct {
 	// send sends the calls of batch, one or more, and sets the replies of
-	// each; its context is the leader's, without cancellation when the
-	// batch holds other calls too.
+	// each.
 	send func(ctx context.Context, batch []*batchCall)
 
 	mu     sync.Mutex
 	queue  []*batchCall
-	flying int // sends in flight, each led by one call
+	flying int // sends in flight: calls sent alone, and goroutines sending queued calls
 }
 
 const (
@@ -45,71 +52,116 @@ const (
 type batchCall struct {
 	sc   *script
 	args []any
-	cmd  *redis.Cmd        // the script's reply
-	acks *redis.Cmd        // the reply of the WAIT for replicas sent after it, if any
-	lead chan []*batchCall // for a queued call: nil once sent, or a batch to lead
-	self [1]*batchCall     // the call as a batch of one, without allocating one
+	cmd  *redis.Cmd // the script's reply
+	acks *redis.Cmd // the reply of the WAIT for replicas sent after it, if any
+	// A queued call's context, whose values and deadline its pipeline
+	// takes, and the channel closed once the pipeline set its replies.
+	ctx  context.Context
+	sent chan struct{}
+	self [1]*batchCall // the call as a batch of one, without allocating one
 }
 
-// run sends sc with args (made by sc.args) and returns the call, sent.
+// run sends sc with args (made by sc.args) and returns the call, sent, or
+// failed with ctx's error when ctx ended first.
 func (b *batcher) run(ctx context.Context, sc *script, args []any) *batchCall {
 	c := &batchCall{sc: sc, args: args}
 	b.mu.Lock()
 	if b.flying < maxFlying {
 		b.flying++
 		b.mu.Unlock()
-		b.lead(ctx, c, nil)
+		// Deferred: whatever happens in send, no queued call is left waiting.
+		defer b.handOff()
+		c.self[0] = c
+		b.send(ctx, c.self[:])
 		return c
 	}
-	c.lead = make(chan []*batchCall, 1)
+	c.ctx, c.sent = ctx, make(chan struct{})
 	b.queue = append(b.queue, c)
 	b.mu.Unlock()
-	if batch := <-c.lead; batch != nil {
-		b.lead(ctx, c, batch)
+	select {
+	case <-c.sent:
+		return c
+	case <-ctx.Done():
 	}
-	return c
-}
-
-// lead sends batch, which leader belongs to (nil: leader alone), then
-// hands the calls queued meanwhile to the first of them, or ends its turn
-// in flight.
-func (b *batcher) lead(ctx context.Context, leader *batchCall, batch []*batchCall) {
-	// Deferred: whatever happens here, no queued call is left waiting.
-	defer b.handOff(leader, batch)
-	if len(batch) <= 1 {
-		leader.self[0] = leader
-		b.send(ctx, leader.self[:])
-		return
-	}
-	// The leader's context must not cut the other calls short.
-	b.send(context.WithoutCancel(ctx), batch)
-}
-
-// handOff ends a send that leader led. The calls queued meanwhile, up to
-// maxBatch, go to the first of them, which leads them as the next send;
-// with none queued, the leader's turn in flight ends. Then the other calls
-// of batch, waiting in run for their send to end, are let go, and any the
-// pipeline gave no reply fail.
-func (b *batcher) handOff(leader *batchCall, batch []*batchCall) {
 	b.mu.Lock()
+	i := slices.Index(b.queue, c)
+	if i >= 0 {
+		b.queue = slices.Delete(b.queue, i, i+1)
+	}
+	b.mu.Unlock()
+	when := "before it was sent"
+	if i < 0 {
+		select {
+		case <-c.sent:
+			// The pipeline answered meanwhile: its reply stands.
+			return c
+		default:
+			when = "while it was on its way"
+		}
+	}
+	// A new call: the pipeline may still write c's replies.
+	left := &batchCall{cmd: redis.NewCmd(ctx)}
+	left.cmd.SetErr(fmt.Errorf("idempotency: the call's context ended %s: %w", when, ctx.Err()))
+	return left
+}
+
+// handOff ends a send in flight: the calls queued meanwhile, up to
+// maxBatch, go out next, in the same turn, on a goroutine that sends queued
+// calls for as long as calls queue; with none queued, the turn ends.
+func (b *batcher) handOff() {
+	if next := b.next(); next != nil {
+		go b.sendQueued(next)
+	}
+}
+
+// next takes the calls queued, up to maxBatch, for the turn in flight; with
+// none queued, it ends the turn and returns nil.
+func (b *batcher) next() []*batchCall {
+	b.mu.Lock()
+	defer b.mu.Unlock()
 	next := b.queue[:min(len(b.queue), maxBatch)]
 	b.queue = b.queue[len(next):]
 	if len(next) == 0 {
 		b.flying--
+		return nil
 	}
-	b.mu.Unlock()
-	if len(next) > 0 {
-		next[0].lead <- next
-	}
-	for _, c := range batch {
-		if c != leader {
+	return next
+}
+
+// sendQueued sends batch, a turn's queued calls, then the calls queued
+// meanwhile, until none are.
+func (b *batcher) sendQueued(batch []*batchCall) {
+	for batch != nil {
+		ctx, cancel := batchContext(batch)
+		b.send(ctx, batch)
+		cancel()
+		for _, c := range batch {
 			if c.cmd == nil {
-				c.cmd = redis.NewCmd(context.Background())
+				c.cmd = redis.NewCmd(ctx)
 				c.cmd.SetErr(errors.New("idempotency: the pipeline carrying this call failed"))
 			}
-			c.lead <- nil
+			close(c.sent)
+		}
+		batch = b.next()
+	}
+}
+
+// batchContext is the context batch is sent in: the values of its first
+// call, no cancellation (a caller that leaves must not cut the others' calls
+// short), and the latest deadline of its calls, or none when one has none.
+func batchContext(batch []*batchCall) (context.Context, context.CancelFunc) {
+	ctx := context.WithoutCancel(batch[0].ctx)
+	var latest time.Time
+	for _, c := range batch {
+		d, ok := c.ctx.Deadline()
+		if !ok {
+			return ctx, func() {}
+		}
+		if d.After(latest) {
+			latest = d
 		}
 	}
+	return context.WithDeadline(ctx, latest)
 }
 
 // sendScripts sends batch on c: a call alone by itself, more in one

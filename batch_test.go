@@ -122,3 +122,91 @@ func (g *sendGate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 		return next(ctx, cmds)
 	}
 }
+
+// A queued call returns when its context ends: one still in the queue
+// leaves it unsent, one whose pipeline is on its way fails at once while the
+// pipeline goes on, and the pipeline runs until the latest deadline of its
+// calls, so that the calls that still wait get their replies.
+func TestBatcherCallsEndByTheirDeadline(t *testing.T) {
+	gate := make(chan struct{})
+	var mu sync.Mutex
+	var sent [][]string
+	var deadlines []time.Time
+	b := &batcher{send: func(ctx context.Context, batch []*batchCall) {
+		var names []string
+		for _, c := range batch {
+			names = append(names, c.args[0].(string))
+		}
+		d, _ := ctx.Deadline()
+		mu.Lock()
+		sent, deadlines = append(sent, names), append(deadlines, d)
+		mu.Unlock()
+		<-gate
+		for _, c := range batch {
+			c.cmd = redis.NewCmd(ctx)
+			c.cmd.SetVal(c.args[0])
+		}
+	}}
+	call := func(ctx context.Context, name string) <-chan *redis.Cmd {
+		done := make(chan *redis.Cmd, 1)
+		go func() { done <- b.run(ctx, nil, []any{name}).cmd }()
+		return done
+	}
+	queued := func(n int) func() bool {
+		return func() bool {
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			return len(b.queue) == n
+		}
+	}
+	var flying []<-chan *redis.Cmd
+	for i := range maxFlying {
+		flying = append(flying, call(context.Background(), fmt.Sprint("alone", i)))
+	}
+	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(sent) == maxFlying }, 5*time.Second, time.Millisecond)
+
+	// Queued, then its context ends: it leaves the queue, unsent.
+	ctx, cancel := context.WithCancel(context.Background())
+	left := call(ctx, "left")
+	require.Eventually(t, queued(1), 5*time.Second, time.Millisecond)
+	cancel()
+	cmd := <-left
+	assert.ErrorIs(t, cmd.Err(), context.Canceled)
+	assert.ErrorContains(t, cmd.Err(), "before it was sent")
+	assert.True(t, queued(0)())
+
+	// Two calls queue; their pipeline goes out when a send ends.
+	soon, cancelSoon := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancelSoon()
+	later, cancelLater := context.WithTimeout(context.Background(), time.Hour)
+	defer cancelLater()
+	short, long := call(soon, "short"), call(later, "long")
+	require.Eventually(t, queued(2), 5*time.Second, time.Millisecond)
+	gate <- struct{}{} // one of the sends alone ends
+	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(sent) == maxFlying+1 }, 5*time.Second, time.Millisecond)
+	mu.Lock()
+	assert.Equal(t, []string{"short", "long"}, sent[maxFlying], "the queued calls went out together")
+	d, _ := later.Deadline()
+	assert.Equal(t, d, deadlines[maxFlying], "the pipeline's deadline is its latest call's")
+	mu.Unlock()
+	start := time.Now()
+	cmd = <-short
+	assert.ErrorIs(t, cmd.Err(), context.DeadlineExceeded)
+	assert.ErrorContains(t, cmd.Err(), "on its way")
+	assert.Less(t, time.Since(start), 5*time.Second)
+
+	close(gate)
+	cmd = <-long
+	require.NoError(t, cmd.Err(), "the call still waiting got its reply")
+	assert.Equal(t, "long", cmd.Val())
+	replies := 0
+	for _, f := range flying {
+		if (<-f).Err() == nil {
+			replies++
+		}
+	}
+	assert.Equal(t, maxFlying, replies)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	assert.Zero(t, b.flying, "a turn in flight did not end")
+}

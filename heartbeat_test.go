@@ -15,7 +15,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idempotency-go/idempotency/internal/faultproxy"
 	"github.com/idempotency-go/idempotency/internal/storeerr"
+	"github.com/idempotency-go/idempotency/internal/testserver"
 )
 
 // An operation that runs for several leases keeps its record: every other
@@ -204,6 +206,35 @@ func TestSilentStoreEndsTheLeaseOnTime(t *testing.T) {
 			g := New(s, Options{Lease: lease})
 			sent := time.Now()
 			_, err := g.Do(context.Background(), Key{Name: "k"}, FingerprintOf("op", nil), func(ctx context.Context) (Response, error) {
+				return Response{Status: 201}, nil
+			})
+			returned := time.Since(sent)
+			assert.ErrorIs(t, err, ErrUnavailable)
+			assert.Less(t, returned, lease, "Do outlived the lease")
+			assert.GreaterOrEqual(t, returned, lease-leaseMargin(lease)-5*time.Millisecond, "Do gave up on the completion early")
+		})
+	}
+}
+
+// The same on a redis-server whose link goes silent while the outcome is on
+// its way, with go-redis timeouts far past the lease. A client that honours
+// deadlines (ContextTimeoutEnabled) ends the completion at the lease's local
+// end, on the caller's goroutine; with one that does not, the Guard stops
+// waiting for it then. Either way Do fails with ErrUnavailable on time.
+func TestSilentRedisEndsTheCompletionOnTime(t *testing.T) {
+	const lease = time.Second
+	srv := testserver.StartRedis(t)
+	for _, honours := range []bool{true, false} {
+		t.Run(map[bool]string{true: "client honours deadlines", false: "client ignores deadlines"}[honours], func(t *testing.T) {
+			p := faultproxy.Start(t, srv.Addr)
+			c := redis.NewClient(&redis.Options{Addr: p.Addr(), ContextTimeoutEnabled: honours, ReadTimeout: time.Minute, WriteTimeout: time.Minute})
+			t.Cleanup(func() { c.Close() })
+			s := newRedisStore(t, c)
+			assert.Equal(t, honours, s.callsEndByDeadline())
+			g := New(s, Options{Lease: lease})
+			sent := time.Now()
+			_, err := g.Do(context.Background(), Key{Name: t.Name()}, FingerprintOf("op", nil), func(context.Context) (Response, error) {
+				p.Partition()
 				return Response{Status: 201}, nil
 			})
 			returned := time.Since(sent)

@@ -236,6 +236,8 @@ type Guard struct {
 	waiters chan struct{} // a semaphore of Options.MaxWaiters slots
 	owners  atomic.Int64  // owners between own and close: operations running here
 	phases  PhaseObserver // Options.Observer, when it traces phases
+	// callsEndByDeadline: the store is a deadlineBound one that says so.
+	callsEndByDeadline bool
 }
 
 // InFlight returns how many operations this Guard is running as the owner
@@ -251,6 +253,9 @@ func New(store Store, opts Options) *Guard {
 	opts = opts.withDefaults()
 	g := &Guard{store: store, opts: opts, waiters: make(chan struct{}, opts.MaxWaiters)}
 	g.phases, _ = opts.Observer.(PhaseObserver)
+	if b, ok := store.(deadlineBound); ok {
+		g.callsEndByDeadline = b.callsEndByDeadline()
+	}
 	return g
 }
 

@@ -242,14 +242,7 @@ func (o *owner) settle(resp Response, d Disposition) error {
 	ctx, cancel := context.WithDeadline(o.calls, deadline)
 	defer cancel()
 	ctx, endSettle := o.g.startPhase(ctx, PhaseSettle, PhaseStart{Scope: o.k.Scope, Attempt: o.c.Attempt, Token: o.c.Token})
-	done := make(chan error, 1)
-	go func() { done <- o.g.apply(ctx, o.k, o.c.Token, resp, d) }()
-	var err error
-	select {
-	case err = <-done:
-	case <-ctx.Done():
-		err = fmt.Errorf("%w: the store did not confirm the outcome before the lease ran out: %w", ErrUnavailable, ctx.Err())
-	}
+	err := o.g.applyWithin(ctx, o.k, o.c.Token, resp, d)
 	endSettle(err)
 	switch {
 	case err != nil:
@@ -305,6 +298,31 @@ func (o *owner) awaitRenewal(full bool) {
 	case <-renewing:
 	case <-t.C:
 	}
+}
+
+// applyWithin is apply, returning by ctx's deadline whether or not the
+// store has answered. A store of this package whose calls end by their
+// context's deadline (see deadlineBound) is called on the caller's
+// goroutine; any other on a goroutine of its own, which the caller stops
+// waiting for at the deadline. The first spares each operation a goroutine
+// and the hand-over of its result, which an idle machine pays in wake-ups.
+func (g *Guard) applyWithin(ctx context.Context, k Key, token uint64, resp Response, d Disposition) error {
+	var err error
+	if g.callsEndByDeadline {
+		err = g.apply(ctx, k, token, resp, d)
+	} else {
+		done := make(chan error, 1)
+		go func() { done <- g.apply(ctx, k, token, resp, d) }()
+		select {
+		case err = <-done:
+		case <-ctx.Done():
+			err = ctx.Err()
+		}
+	}
+	if err != nil && ctx.Err() != nil && !errors.Is(err, ErrFenced) {
+		return fmt.Errorf("%w: the store did not confirm the outcome before the lease ran out: %w", ErrUnavailable, err)
+	}
+	return err
 }
 
 // apply is the store call that gives d effect for the owner of token.

@@ -121,9 +121,15 @@ type RedisOptions struct {
 //
 // Under load, the scripts of concurrent calls share round trips: while a
 // few are in flight, the calls that follow queue and go out together in one
-// pipeline (go-redis hooks see a pipeline), so a queued call waits for the
-// send ahead of it even if its context ends, for at most the client's
-// timeouts.
+// pipeline (go-redis hooks see a pipeline). A queued call still returns when
+// its context ends, with its context's error: one not yet sent is never
+// sent, and one already on its way may or may not have been applied.
+//
+// Set ContextTimeoutEnabled on the client: go-redis then ends a call on a
+// silent connection at its context's deadline rather than at its own
+// ReadTimeout, so the Guard's deadlines (Options.ClaimTimeout, the lease's
+// local end) bound every call, and the Guard waits for an owner's outcome
+// on the caller's goroutine instead of one of its own.
 // With RedisOptions.Replicas set, the scripts sent together to a master
 // share the one WAIT that follows them.
 //
@@ -141,6 +147,9 @@ type RedisStore struct {
 	// *redis.Client) whose batches end with a WAIT for replicas.
 	confirmed sync.Map
 	buckets   [buckets]bucketKeys
+	// endsByDeadline: the client honours its calls' deadlines
+	// (ContextTimeoutEnabled), and so do the batchers.
+	endsByDeadline bool
 
 	replicas       int
 	replicaTimeout time.Duration
@@ -195,12 +204,12 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 	switch c := c.(type) {
 	case *redis.ClusterClient:
 		s.publish, s.waiters, s.master, s.reload = "SPUBLISH", newShardedWaiters(c), c.MasterForKey, c.ReloadState
-		readTimeout = c.Options().ReadTimeout
+		readTimeout, s.endsByDeadline = c.Options().ReadTimeout, c.Options().ContextTimeoutEnabled
 	case *redis.Client:
 		s.publish, s.waiters = "PUBLISH", newWaiters(c)
 		s.master = func(context.Context, string) (*redis.Client, error) { return c, nil }
 		s.reload = func(context.Context) {}
-		readTimeout = c.Options().ReadTimeout
+		readTimeout, s.endsByDeadline = c.Options().ReadTimeout, c.Options().ContextTimeoutEnabled
 	default:
 		return nil, fmt.Errorf("idempotency: NewRedisStore needs a *redis.Client or a *redis.ClusterClient, not %T", c)
 	}
@@ -211,6 +220,8 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 	}
 	return s, nil
 }
+
+func (s *RedisStore) callsEndByDeadline() bool { return s.endsByDeadline }
 
 // Close releases the store's pub/sub connections; it does not close the
 // client. Waiters still waiting fall back to re-reading on a timer.

@@ -150,3 +150,11 @@ func oldestFirst(due []dueRecord, limit int) []AbandonedRecord {
 	}
 	return out
 }
+
+// deadlineBound is implemented by the stores of this package that can tell
+// whether their every call returns by its context's deadline. A client may
+// not: go-redis without ContextTimeoutEnabled holds a call on a silent
+// connection for its own timeouts. A Guard waits for such a store's calls on
+// the caller's goroutine; for any other store, it stops waiting at the
+// deadline and leaves the call to end on a goroutine of its own.
+type deadlineBound interface{ callsEndByDeadline() bool }
