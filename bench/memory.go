@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"compress/gzip"
 	"context"
+	crand "crypto/rand"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -20,16 +21,23 @@ import (
 // recordMemory is what Redis holds for one completed record.
 type recordMemory struct {
 	Body  int // response body bytes
+	Name  int // bytes of the record's key name (Key.Name; no Scope)
 	Usage int64
 }
 
 func (m recordMemory) Overhead() int64 { return m.Usage - int64(m.Body) }
 
 // recordMemory completes one operation whose response has a JSON body of
-// size bytes, and returns MEMORY USAGE of its record. Run it on an empty
-// keyspace: it finds the record by SCAN, which visits every key.
-func (e *env) recordMemory(ctx context.Context, size int) (recordMemory, error) {
-	prefix := fmt.Sprintf("benchmem%d-%s:", size, e.run)
+// size bytes, under a key name of name bytes, and returns MEMORY USAGE of
+// its record, which it then deletes. The store's prefix is as long as the
+// default ("idem:"), and unique to the call, so that the key is as long as
+// a default store's while a shared server's keys stay apart: Redis
+// allocates in size classes, and the bench's own run prefix would have put
+// the key one class up.
+func (e *env) recordMemory(ctx context.Context, size, name int) (recordMemory, error) {
+	var p [2]byte
+	_, _ = crand.Read(p[:])
+	prefix := fmt.Sprintf("%04x:", p)
 	s, err := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{Prefix: prefix})
 	if err != nil {
 		return recordMemory{}, err
@@ -40,18 +48,22 @@ func (e *env) recordMemory(ctx context.Context, size int) (recordMemory, error) 
 		Header: http.Header{"Content-Type": {"application/json"}},
 		Body:   jsonBody(size),
 	}
-	_, err = idempotency.New(s, idempotency.Options{}).Do(ctx, idempotency.Key{Name: "record"}, fp,
-		func(context.Context) (idempotency.Response, error) { return resp, nil })
+	keyName := strings.Repeat("k", name)
+	_, err = idempotency.New(s, idempotency.Options{}).Do(ctx, idempotency.Key{Name: keyName},
+		fp, func(context.Context) (idempotency.Response, error) { return resp, nil })
 	if err != nil {
 		return recordMemory{}, err
 	}
-	key, err := findRecord(ctx, e.redis, prefix+"*:record")
+	key, err := findRecord(ctx, e.redis, prefix+"*:"+keyName)
 	if err != nil {
 		return recordMemory{}, err
 	}
 	// SAMPLES 0: every field, not an estimate from five.
 	usage, err := e.redis.MemoryUsage(ctx, key, 0).Result()
-	return recordMemory{Body: size, Usage: usage}, err
+	if err == nil {
+		err = e.redis.Del(ctx, key).Err()
+	}
+	return recordMemory{Body: size, Name: name, Usage: usage}, err
 }
 
 // findRecord returns the one key that matches, on every master of a cluster.
