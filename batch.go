@@ -100,9 +100,7 @@ func (b *batcher) run(ctx context.Context, sc *script, args []any) *batchCall {
 		}
 	}
 	// A new call: the pipeline may still write c's replies.
-	left := &batchCall{cmd: redis.NewCmd(ctx)}
-	left.cmd.SetErr(fmt.Errorf("idempotency: the call's context ended %s: %w", when, ctx.Err()))
-	return left
+	return &batchCall{cmd: failedCmd(fmt.Errorf("idempotency: the call's context ended %s: %w", when, ctx.Err()))}
 }
 
 // handOff ends a send in flight: the calls queued meanwhile, up to
@@ -132,18 +130,51 @@ func (b *batcher) next() []*batchCall {
 // meanwhile, until none are.
 func (b *batcher) sendQueued(batch []*batchCall) {
 	for batch != nil {
-		ctx, cancel := batchContext(batch)
-		b.send(ctx, batch)
-		cancel()
-		for _, c := range batch {
-			if c.cmd == nil {
-				c.cmd = redis.NewCmd(ctx)
-				c.cmd.SetErr(errors.New("idempotency: the pipeline carrying this call failed"))
-			}
-			close(c.sent)
-		}
+		b.sendBatch(batch)
 		batch = b.next()
 	}
+}
+
+// sendBatch sends the calls of batch whose context has not ended, answers
+// the others as never sent, and lets every call go. A panic in send (a
+// client hook's, say) fails the batch's calls rather than the process, whose
+// other calls would then never be answered.
+func (b *batcher) sendBatch(batch []*batchCall) {
+	live := make([]*batchCall, 0, len(batch))
+	for _, c := range batch {
+		if err := c.ctx.Err(); err != nil {
+			c.cmd = failedCmd(fmt.Errorf("idempotency: the call's context ended before it was sent: %w", err))
+		} else {
+			live = append(live, c)
+		}
+	}
+	defer func() {
+		failure := errors.New("idempotency: the pipeline carrying this call failed")
+		p := recover()
+		if p != nil {
+			failure = fmt.Errorf("idempotency: the pipeline carrying this call panicked: %v", p)
+		}
+		for _, c := range live {
+			if c.cmd == nil || p != nil {
+				c.cmd = failedCmd(failure)
+			}
+		}
+		for _, c := range batch {
+			close(c.sent)
+		}
+	}()
+	if len(live) > 0 {
+		ctx, cancel := batchContext(live)
+		defer cancel()
+		b.send(ctx, live)
+	}
+}
+
+// failedCmd is a reply that is err.
+func failedCmd(err error) *redis.Cmd {
+	cmd := redis.NewCmd(context.Background())
+	cmd.SetErr(err)
+	return cmd
 }
 
 // batchContext is the context batch is sent in: the values of its first

@@ -128,8 +128,8 @@ type RedisOptions struct {
 // Set ContextTimeoutEnabled on the client: go-redis then ends a call on a
 // silent connection at its context's deadline rather than at its own
 // ReadTimeout, so the Guard's deadlines (Options.ClaimTimeout, the lease's
-// local end) bound every call, and the Guard waits for an owner's outcome
-// on the caller's goroutine instead of one of its own.
+// local end) bound every call, and on a *redis.Client the Guard waits for
+// an owner's outcome on the caller's goroutine instead of one of its own.
 // With RedisOptions.Replicas set, the scripts sent together to a master
 // share the one WAIT that follows them.
 //
@@ -147,8 +147,8 @@ type RedisStore struct {
 	// *redis.Client) whose batches end with a WAIT for replicas.
 	confirmed sync.Map
 	buckets   [buckets]bucketKeys
-	// endsByDeadline: the client honours its calls' deadlines
-	// (ContextTimeoutEnabled), and so do the batchers.
+	// endsByDeadline: the client, a *redis.Client, honours its calls'
+	// deadlines (ContextTimeoutEnabled), and so do the batchers.
 	endsByDeadline bool
 
 	replicas       int
@@ -204,7 +204,10 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 	switch c := c.(type) {
 	case *redis.ClusterClient:
 		s.publish, s.waiters, s.master, s.reload = "SPUBLISH", newShardedWaiters(c), c.MasterForKey, c.ReloadState
-		readTimeout, s.endsByDeadline = c.Options().ReadTimeout, c.Options().ContextTimeoutEnabled
+		// Not endsByDeadline: with ContextTimeoutEnabled, go-redis v9.23
+		// gives the lookup of its command table, until one succeeds, a 5s
+		// deadline of its own instead of the call's.
+		readTimeout = c.Options().ReadTimeout
 	case *redis.Client:
 		s.publish, s.waiters = "PUBLISH", newWaiters(c)
 		s.master = func(context.Context, string) (*redis.Client, error) { return c, nil }

@@ -44,25 +44,32 @@ func newRedisStore(t *testing.T, c redis.UniversalClient) *RedisStore {
 
 // The client's type decides how waiters are woken: a ClusterClient gets
 // sharded pub/sub, and a Sentinel failover client, a *redis.Client, plain
-// pub/sub on its one master. Nothing here connects.
+// pub/sub on its one master. It also decides whether the store's calls end
+// by their deadlines: a *redis.Client's with ContextTimeoutEnabled do, a
+// ClusterClient's may not (see NewRedisStore). Nothing here connects.
 func TestRedisStoreMode(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
 		opts    redis.UniversalOptions
 		publish string
+		bound   bool // with ContextTimeoutEnabled
 	}{
-		{"standalone", redis.UniversalOptions{Addrs: []string{"127.0.0.1:1"}}, "PUBLISH"},
-		{"sentinel", redis.UniversalOptions{Addrs: []string{"127.0.0.1:1"}, MasterName: "primary"}, "PUBLISH"},
-		{"cluster", redis.UniversalOptions{Addrs: []string{"127.0.0.1:1", "127.0.0.1:2"}}, "SPUBLISH"},
+		{"standalone", redis.UniversalOptions{Addrs: []string{"127.0.0.1:1"}}, "PUBLISH", true},
+		{"sentinel", redis.UniversalOptions{Addrs: []string{"127.0.0.1:1"}, MasterName: "primary"}, "PUBLISH", true},
+		{"cluster", redis.UniversalOptions{Addrs: []string{"127.0.0.1:1", "127.0.0.1:2"}}, "SPUBLISH", false},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			c := redis.NewUniversalClient(&tc.opts)
-			defer c.Close()
-			s, err := NewRedisStore(c, RedisOptions{Replicas: 1, ReplicaTimeout: time.Millisecond})
-			require.NoError(t, err)
-			defer s.Close()
-			assert.Equal(t, tc.publish, s.publish)
-		})
+		for _, honours := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/ContextTimeoutEnabled=%v", tc.name, honours), func(t *testing.T) {
+				tc.opts.ContextTimeoutEnabled = honours
+				c := redis.NewUniversalClient(&tc.opts)
+				defer c.Close()
+				s, err := NewRedisStore(c, RedisOptions{Replicas: 1, ReplicaTimeout: time.Millisecond})
+				require.NoError(t, err)
+				defer s.Close()
+				assert.Equal(t, tc.publish, s.publish)
+				assert.Equal(t, honours && tc.bound, s.callsEndByDeadline())
+			})
+		}
 	}
 }
 
