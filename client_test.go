@@ -679,7 +679,10 @@ func TestTransportConcurrentCallersRedis(t *testing.T) {
 	}
 	tr := &idempotency.Transport{
 		Base:  &balancer{base: newBase(t, true), hosts: hosts},
-		Retry: idempotency.RetryPolicy{MaxAttempts: 10, BaseDelay: 2 * time.Millisecond, MaxDelay: 10 * time.Second},
+		// Enough attempts that a request outlives the faults, which come
+		// every 3ms: in a CI run of the whole suite, on a loaded machine, 4
+		// requests of 200 met a reset on each of 10 attempts.
+		Retry: idempotency.RetryPolicy{MaxAttempts: 40, BaseDelay: 2 * time.Millisecond, MaxDelay: 100 * time.Millisecond},
 	}
 
 	// Faults while the callers run: replies lost after the server acted,
