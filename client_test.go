@@ -678,7 +678,7 @@ func TestTransportConcurrentCallersRedis(t *testing.T) {
 		hosts = append(hosts, p.Addr())
 	}
 	tr := &idempotency.Transport{
-		Base:  &balancer{base: newBase(t, true), hosts: hosts},
+		Base: &balancer{base: newBase(t, true), hosts: hosts},
 		// Enough attempts that a request outlives the faults, which come
 		// every 3ms: in a CI run of the whole suite, on a loaded machine, 4
 		// requests of 200 met a reset on each of 10 attempts.
