@@ -120,7 +120,12 @@ func TestRun(t *testing.T) {
 	assert.InDelta(t, 2, two.Commands["evalsha"].Calls, 0.25)
 	assert.InDelta(t, 2, two.Commands["set"].Calls, 0.25)
 	assert.NotContains(t, two.Commands, "info", "the meter's own commands")
-	assert.InDelta(t, 2, rows["redis/new-operation@1"].Commands["evalsha"].Calls, 0.25, "claim and complete")
+	// One operation at a time: the one in flight at each end of a window
+	// blurs the count by up to a call per end, and on a loaded machine a
+	// 50ms window holds few operations (a CI run counted 2.27 a new
+	// operation).
+	newAt1 := rows["redis/new-operation@1"]
+	assert.InDelta(t, 2, newAt1.Commands["evalsha"].Calls, max(0.25, 2/(newAt1.OpsPerSec*cfg.duration.Seconds())), "claim and complete")
 	assert.InDelta(t, 2, rows["baseline/http-two-roundtrips"].Commands["evalsha"].Calls, 0.25)
 	assert.Empty(t, rows["baseline/http"].Commands["evalsha"])
 	assert.Zero(t, rows["memory/new-operation"].RoundTrips)
