@@ -89,18 +89,18 @@ func (b *batcher) run(ctx context.Context, sc *script, args []any) *batchCall {
 		b.queue = slices.Delete(b.queue, i, i+1)
 	}
 	b.mu.Unlock()
-	when := "before it was sent"
+	when := unsent
 	if i < 0 {
 		select {
 		case <-c.sent:
 			// The pipeline answered meanwhile: its reply stands.
 			return c
 		default:
-			when = "while it was on its way"
+			when = onItsWay
 		}
 	}
 	// A new call: the pipeline may still write c's replies.
-	return &batchCall{cmd: failedCmd(fmt.Errorf("idempotency: the call's context ended %s: %w", when, ctx.Err()))}
+	return &batchCall{cmd: endedCmd(when, ctx.Err())}
 }
 
 // handOff ends a send in flight: the calls queued meanwhile, up to
@@ -143,7 +143,7 @@ func (b *batcher) sendBatch(batch []*batchCall) {
 	live := make([]*batchCall, 0, len(batch))
 	for _, c := range batch {
 		if err := c.ctx.Err(); err != nil {
-			c.cmd = failedCmd(fmt.Errorf("idempotency: the call's context ended before it was sent: %w", err))
+			c.cmd = endedCmd(unsent, err)
 		} else {
 			live = append(live, c)
 		}
@@ -168,6 +168,18 @@ func (b *batcher) sendBatch(batch []*batchCall) {
 		defer cancel()
 		b.send(ctx, live)
 	}
+}
+
+// When a call's context ended: before it was sent, nothing was applied;
+// while it was on its way, the store may have applied it.
+const (
+	unsent   = "before it was sent"
+	onItsWay = "while it was on its way"
+)
+
+// endedCmd is the reply of a call whose context ended, with err, when.
+func endedCmd(when string, err error) *redis.Cmd {
+	return failedCmd(fmt.Errorf("idempotency: the call's context ended %s: %w", when, err))
 }
 
 // failedCmd is a reply that is err.
