@@ -677,11 +677,23 @@ func TestTransportConcurrentCallersRedis(t *testing.T) {
 		proxies = append(proxies, p)
 		hosts = append(hosts, p.Addr())
 	}
+	base := newBase(t, true)
+	const callers, each = 8, 25
+	// answered counts attempts that got a response. Each fault waits for
+	// callers/2 more of them: on the 3ms cadence alone, a loaded CI machine
+	// answered fewer requests than the faults reset, and one request met a
+	// reset on each of its 40 attempts. Gated this way, between two faults
+	// at least 4 attempts are answered while a fault resets 1 attempt, or
+	// at most 8 for one fault in 4, however slow the machine is.
+	var answered atomic.Int64
 	tr := &idempotency.Transport{
-		Base: &balancer{base: newBase(t, true), hosts: hosts},
-		// Enough attempts that a request outlives the faults, which come
-		// every 3ms: in a CI run of the whole suite, on a loaded machine, 4
-		// requests of 200 met a reset on each of 10 attempts.
+		Base: &balancer{hosts: hosts, base: roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			resp, err := base.RoundTrip(r)
+			if err == nil {
+				answered.Add(1)
+			}
+			return resp, err
+		})},
 		Retry: idempotency.RetryPolicy{MaxAttempts: 40, BaseDelay: 2 * time.Millisecond, MaxDelay: 100 * time.Millisecond},
 	}
 
@@ -690,21 +702,27 @@ func TestTransportConcurrentCallersRedis(t *testing.T) {
 	stop := make(chan struct{})
 	var faults sync.WaitGroup
 	faults.Go(func() {
-		for i := 0; ; i++ {
+		since := answered.Load()
+		for i := 0; ; {
 			select {
 			case <-stop:
 				return
 			case <-time.After(3 * time.Millisecond):
 			}
+			n := answered.Load()
+			if n-since < callers/2 {
+				continue
+			}
+			since = n
 			if p := proxies[i%len(proxies)]; i%4 == 3 {
 				p.ResetAll()
 			} else {
 				p.ResetOnNextRequest(true)
 			}
+			i++
 		}
 	})
 
-	const callers, each = 8, 25
 	ctx, cancel := context.WithTimeout(t.Context(), hangGuard)
 	defer cancel()
 	var replayed atomic.Int32
