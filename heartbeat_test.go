@@ -118,7 +118,9 @@ func hang(t *testing.T, ctx context.Context, forever bool) error {
 // wait that lets the outcome share the renewal's connection): fn returns,
 // its outcome is stored, and Do returns.
 func TestHeartbeatHungRenewalDoesNotHoldDo(t *testing.T) {
-	const lease = 300 * time.Millisecond
+	// Long enough that the bounds below leave a loaded machine's scheduler
+	// room: a Do held by the renewal would return about 600ms after fn.
+	const lease = time.Second
 	for _, forever := range []bool{false, true} {
 		t.Run(map[bool]string{false: "until its deadline", true: "for ever"}[forever], func(t *testing.T) {
 			entered := make(chan struct{})
@@ -150,7 +152,7 @@ func TestHeartbeatHungRenewalDoesNotHoldDo(t *testing.T) {
 			d, ok := hctx.Deadline()
 			assert.True(t, ok, "a renewal was sent without a deadline")
 			// The Guard sent the claim just before the store saw it.
-			assert.WithinDuration(t, claimed.Add(lease-leaseMargin(lease)), d, 10*time.Millisecond,
+			assert.WithinDuration(t, claimed.Add(lease-leaseMargin(lease)), d, 25*time.Millisecond,
 				"the renewal's deadline is not the lease's local end")
 			c, err := mem.Claim(context.Background(), ClaimRequest{Key: k, Fingerprint: FingerprintOf("op", nil), OperationID: "again", Lease: lease, Retention: time.Hour})
 			require.NoError(t, err)
@@ -418,7 +420,9 @@ func TestMigratingClaimUndoHasADeadline(t *testing.T) {
 		return Response{}, nil
 	})
 	assert.ErrorIs(t, err, ErrUnavailable)
-	assert.Less(t, time.Since(start), 2*lease, "the claim's clean-up had no deadline")
+	// Without a deadline the clean-up hangs until the test ends; the second
+	// of slack is the scheduler's, on a loaded machine.
+	assert.Less(t, time.Since(start), lease+time.Second, "the claim's clean-up had no deadline")
 }
 
 // SetDisposition refuses what is not a disposition, so that no operation
