@@ -10,8 +10,32 @@ import (
 	"strings"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/idempotency-go/idempotency"
 )
+
+// A production set-up on Redis. The example is compiled but not run: it
+// needs a redis-server.
+func ExampleNewRedisStore() {
+	ctx := context.Background()
+	// ContextTimeoutEnabled lets the Guard's deadlines end calls on a
+	// silent connection, instead of go-redis's own timeouts.
+	client := redis.NewClient(&redis.Options{Addr: "localhost:6379", ContextTimeoutEnabled: true})
+	defer client.Close()
+	store, err := idempotency.NewRedisStore(client, idempotency.RedisOptions{})
+	if err != nil {
+		panic(err)
+	}
+	defer store.Close()
+	// A server that may evict the records would let a retry run its
+	// operation again: refuse to serve on one.
+	if err := store.CheckEviction(ctx); err != nil {
+		panic(err)
+	}
+	guard := idempotency.New(store, idempotency.Options{})
+	_ = guard // guard.Middleware, guard.Do
+}
 
 func ExampleGuard_Middleware() {
 	// In production the store is shared by every instance (NewRedisStore).

@@ -29,6 +29,7 @@ func ClusterTests(t *testing.T, cl *testserver.Cluster) {
 		noLostWakeUp(t, newRedisStore(t, cl.Client()))
 	})
 	t.Run("ConcurrentDuplicates", func(t *testing.T) { clusterDuplicates(t, cl) })
+	t.Run("CheckEviction", func(t *testing.T) { clusterCheckEviction(t, cl) })
 	t.Run("BatchedCalls", func(t *testing.T) {
 		cc := cl.Client()
 		batchedCalls(t, cc, RedisOptions{}, func(ctx context.Context) error {
@@ -535,4 +536,21 @@ func replicaRecord(t *testing.T, addr, key string) (v string) {
 		return err
 	}))
 	return v
+}
+
+// clusterCheckEviction: CheckEviction asks the replicas too, since a failover
+// makes one a master, and names the node that may evict.
+func clusterCheckEviction(t *testing.T, cl *testserver.Cluster) {
+	ctx := t.Context()
+	s := newRedisStore(t, cl.Client())
+	require.NoError(t, s.CheckEviction(ctx))
+	replica := cl.ReplicaOf(cl.MasterFor("k")).Client()
+	require.NoError(t, replica.ConfigSet(ctx, "maxmemory", "1gb").Err())
+	require.NoError(t, replica.ConfigSet(ctx, "maxmemory-policy", "allkeys-lfu").Err())
+	t.Cleanup(func() { replica.ConfigSet(context.Background(), "maxmemory", "0") })
+	err := s.CheckEviction(ctx)
+	require.Error(t, err)
+	assert.NotErrorIs(t, err, ErrUnavailable)
+	assert.ErrorContains(t, err, replica.Options().Addr+" evicts")
+	assert.ErrorContains(t, err, "allkeys-lfu")
 }

@@ -536,6 +536,72 @@ func (s *RedisStore) Stats(ctx context.Context) (Stats, error) {
 	return st, nil
 }
 
+// CheckEviction reports whether the servers keep the store's keys until
+// they expire. Under a maxmemory limit Redis evicts keys by its
+// maxmemory-policy, and only noeviction keeps them: any other policy may
+// drop a completed record (its retry runs the operation again), a record in
+// flight (a retry becomes a second owner while the first still runs), and,
+// for the allkeys policies, a token sequence (tokens are issued again).
+// With noeviction, a full server refuses writes: claims fail closed with
+// ErrUnavailable.
+//
+// It asks every node of a cluster, replicas too, since a failover promotes
+// one; on a *redis.Client it asks the server the client talks to (a
+// Sentinel's replicas are not asked). It returns nil when none of them may
+// evict, an error wrapping ErrUnavailable when one cannot be reached, and
+// otherwise an error naming each server that may evict, or that refused to
+// say (INFO denied by an ACL). It reads the servers' settings of the moment:
+// call it at start-up, or in a readiness check.
+func (s *RedisStore) CheckEviction(ctx context.Context) error {
+	var mu sync.Mutex
+	var unsafe []error
+	check := func(ctx context.Context, c *redis.Client) error {
+		info, err := c.InfoMap(ctx, "memory").Result()
+		var re redis.Error
+		switch {
+		case errors.As(err, &re):
+			err = fmt.Errorf("%s does not say whether it evicts: %w", c.Options().Addr, err)
+		case err != nil:
+			return storeerr.Unavailable("check eviction", err)
+		default:
+			err = evicts(c.Options().Addr, info["Memory"])
+		}
+		if err != nil {
+			mu.Lock()
+			unsafe = append(unsafe, err)
+			mu.Unlock()
+		}
+		return nil
+	}
+	var err error
+	switch c := s.c.(type) {
+	case *redis.ClusterClient:
+		err = c.ForEachShard(ctx, check)
+	case *redis.Client:
+		err = check(ctx, c)
+	}
+	if err != nil {
+		return err
+	}
+	if len(unsafe) > 0 {
+		return fmt.Errorf("idempotency: records may be lost to eviction: %w", errors.Join(unsafe...))
+	}
+	return nil
+}
+
+// evicts judges the memory section of a server's INFO: nil when the server
+// keeps every key until it expires.
+func evicts(addr string, memory map[string]string) error {
+	limit, policy := memory["maxmemory"], memory["maxmemory_policy"]
+	switch {
+	case limit == "" || policy == "":
+		return fmt.Errorf("%s does not say whether it evicts: no maxmemory or maxmemory_policy in its INFO", addr)
+	case policy == "noeviction" || limit == "0":
+		return nil
+	}
+	return fmt.Errorf("%s evicts under maxmemory %s bytes by maxmemory-policy %s; set it to noeviction", addr, limit, policy)
+}
+
 // Abandoned implements Store: one script per bucket, all in one pipeline,
 // merged oldest lease first.
 func (s *RedisStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecord, error) {

@@ -556,3 +556,89 @@ func TestRedisRecordOddOperationIDs(t *testing.T) {
 		assert.Equal(t, Claim{State: Completed, OperationID: maker, Response: Response{Status: 201, Header: map[string][]string{}, Body: []byte("odd")}}, got)
 	})
 }
+
+// CheckEviction tells a server that keeps the store's keys from one that may
+// drop them, and the reason it matters: a completed record evicted from a
+// server whose policy CheckEviction refuses is run again by its retry.
+func TestRedisCheckEviction(t *testing.T) {
+	ctx := t.Context()
+	r := testserver.StartRedis(t)
+	c := r.Client()
+	s := newRedisStore(t, c)
+	set := func(limit, policy string) {
+		t.Helper()
+		require.NoError(t, c.ConfigSet(ctx, "maxmemory", limit).Err())
+		require.NoError(t, c.ConfigSet(ctx, "maxmemory-policy", policy).Err())
+	}
+	for _, tc := range []struct {
+		limit, policy string
+		keeps         bool
+	}{
+		{"0", "noeviction", true},
+		{"0", "allkeys-lru", true}, // no limit: nothing is evicted
+		{"64mb", "noeviction", true},
+		{"64mb", "allkeys-lru", false},
+		{"64mb", "volatile-lfu", false},
+		{"64mb", "volatile-ttl", false},
+	} {
+		set(tc.limit, tc.policy)
+		err := s.CheckEviction(ctx)
+		if tc.keeps {
+			assert.NoError(t, err, "maxmemory %s, %s", tc.limit, tc.policy)
+			continue
+		}
+		require.Error(t, err, "maxmemory %s, %s", tc.limit, tc.policy)
+		assert.NotErrorIs(t, err, ErrUnavailable)
+		assert.ErrorContains(t, err, r.Addr)
+		assert.ErrorContains(t, err, tc.policy)
+	}
+
+	// Why: with volatile-lru, a completed record (it has a TTL) is evicted
+	// under memory pressure, and its retry runs the operation again.
+	set("0", "noeviction")
+	g := New(s, Options{})
+	k, fp := Key{Name: "charge"}, FingerprintOf("op", nil)
+	runs := 0
+	fn := func(context.Context) (Response, error) { runs++; return Response{Status: 201}, nil }
+	_, err := g.Do(ctx, k, fp, fn)
+	require.NoError(t, err)
+	used, err := strconv.ParseInt(c.InfoMap(ctx, "memory").Item("Memory", "used_memory"), 10, 64)
+	require.NoError(t, err)
+	set(strconv.FormatInt(used+1<<20, 10), "volatile-lru")
+	rec, _ := s.recordKey(k)
+	filler := strings.Repeat("x", 1024)
+	for i := 0; c.Exists(ctx, rec).Val() == 1; i++ {
+		require.Less(t, i, 100_000, "the record was never evicted")
+		require.NoError(t, c.Set(ctx, "filler:"+strconv.Itoa(i), filler, time.Hour).Err())
+	}
+	require.Error(t, s.CheckEviction(ctx))
+	_, err = g.Do(ctx, k, fp, fn)
+	require.NoError(t, err)
+	assert.Equal(t, 2, runs, "the evicted record's retry ran the operation again")
+}
+
+// A server that cannot be reached is ErrUnavailable; one that will not say
+// (INFO denied by an ACL, or miniredis, which has no memory section) is
+// reported as such, not as one that keeps its keys.
+func TestRedisCheckEvictionUnknown(t *testing.T) {
+	ctx := t.Context()
+	r := testserver.StartRedis(t)
+	admin := r.Client()
+	require.NoError(t, admin.Do(ctx, "ACL", "SETUSER", "app", "on", ">pw", "~*", "&*", "+@all", "-info").Err())
+	app := redis.NewClient(&redis.Options{Addr: r.Addr, Username: "app", Password: "pw"})
+	t.Cleanup(func() { app.Close() })
+	err := newRedisStore(t, app).CheckEviction(ctx)
+	require.Error(t, err)
+	assert.NotErrorIs(t, err, ErrUnavailable)
+	assert.ErrorContains(t, err, "NOPERM")
+
+	mini := redis.NewClient(&redis.Options{Addr: miniredis.RunT(t).Addr()})
+	t.Cleanup(func() { mini.Close() })
+	err = newRedisStore(t, mini).CheckEviction(ctx)
+	require.Error(t, err)
+	assert.NotErrorIs(t, err, ErrUnavailable)
+
+	s := newRedisStore(t, admin)
+	r.Stop(t)
+	assert.ErrorIs(t, s.CheckEviction(ctx), ErrUnavailable)
+}

@@ -212,7 +212,8 @@ func openPostgres(ctx context.Context, cfg config) (*backends, error) {
 func openRedis(ctx context.Context, cfg config) (*backends, error) {
 	addr := cfg.redis
 	closeEmbedded := func() {}
-	if addr == "" && cfg.cluster == "" {
+	embedded := addr == "" && cfg.cluster == ""
+	if embedded {
 		m := miniredis.NewMiniRedis()
 		if err := m.Start(); err != nil {
 			return nil, err
@@ -239,6 +240,14 @@ func openRedis(ctx context.Context, cfg config) (*backends, error) {
 		return nil, fmt.Errorf("redis %s: %w", addr, err)
 	}
 	store, err := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
+	if err == nil && !embedded {
+		// A server that may evict would lose records, and a retry would
+		// charge again: refuse to serve on it. (miniredis never evicts,
+		// and has no INFO memory to say so.)
+		if err = store.CheckEviction(ctx); err != nil {
+			store.Close()
+		}
+	}
 	if err != nil {
 		c.Close()
 		closeEmbedded()

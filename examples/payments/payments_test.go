@@ -492,6 +492,21 @@ func TestInstancesOnRedisActAsOne(t *testing.T) {
 	requireOneService(t, startN(t, 3, "-redis", r.Addr, "-sweep", "50ms"))
 }
 
+// The service refuses to start on a Redis that may evict its records: an
+// evicted record's retry would charge again.
+func TestRefusesAnEvictingRedis(t *testing.T) {
+	t.Parallel()
+	r := testserver.StartRedis(t, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
+	// Killed after a while if it serves after all: the checks below then fail.
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, binary, "-addr", "127.0.0.1:0", "-redis", r.Addr).CombinedOutput()
+	require.Error(t, err)
+	assert.NotContains(t, string(out), "listening on")
+	assert.Contains(t, string(out), "evicts under maxmemory", "it did not say why:\n%s", out)
+	assert.Contains(t, string(out), "allkeys-lru")
+}
+
 func TestInstancesOnClusterActAsOne(t *testing.T) {
 	t.Parallel()
 	cl := testserver.StartCluster(t, 3, 0)
