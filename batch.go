@@ -215,12 +215,30 @@ func sendScripts(c redis.UniversalClient) func(context.Context, []*batchCall) {
 			batch[0].cmd = batch[0].sc.run(ctx, c, batch[0].args)
 			return
 		}
-		_, _ = c.Pipelined(ctx, func(p redis.Pipeliner) error {
+		_, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
 			queueScripts(ctx, p, batch)
 			return nil
 		})
+		unanswered(batch, err)
 		for _, bc := range batch {
 			bc.cmd = bc.sc.loaded(ctx, c, bc.args, bc.cmd)
+		}
+	}
+}
+
+// unanswered fails, with err, each call of batch that its pipeline left
+// with neither a reply nor an error. go-redis sets a failed pipeline's error
+// on its commands, except when a hook refuses the pipeline without sending
+// it (a circuit breaker, say); a call so left must not pass for one the
+// server applied. No reply is never an answer: a script that returns
+// nothing replies redis.Nil, an error.
+func unanswered(batch []*batchCall, err error) {
+	for _, bc := range batch {
+		if bc.cmd.Err() == nil && bc.cmd.Val() == nil {
+			if err == nil {
+				err = errors.New("idempotency: the pipeline carrying this call gave it no reply")
+			}
+			bc.cmd.SetErr(err)
 		}
 	}
 }

@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"sync"
@@ -12,6 +13,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-go/idempotency/internal/testserver"
 )
 
 func TestRedisBatchedCalls(t *testing.T) {
@@ -255,4 +258,100 @@ func TestBatcherSendsOnlyLiveCallsAndSurvivesAPanic(t *testing.T) {
 		assert.ErrorContains(t, c.cmd.Err(), "panicked: a hook's bug")
 	}
 	assert.Zero(t, b.flying, "the turn in flight did not end")
+}
+
+// A go-redis hook may fail a command without sending it (a circuit breaker
+// that is open, say): go-redis sets that error on a command sent by itself,
+// but not on the commands of a pipeline, whose error Pipelined returns.
+// Every call of such a pipeline must still fail: a Complete that reports
+// success though nothing was stored loses the outcome (and lets a retry run
+// the operation again), and a Heartbeat that does has its owner count on a
+// lease the server never extended.
+func TestRedisPipelineRefusedByAHookFailsItsCalls(t *testing.T) {
+	srv := testserver.StartRedis(t)
+	c := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { c.Close() })
+	s := newRedisStore(t, c)
+	ctx := context.Background()
+	const n = maxFlying + 2
+	keys, tokens := make([]Key, n), make([]uint64, n)
+	for i := range n {
+		keys[i] = Key{Scope: "breaker", Name: fmt.Sprint("k", i)}
+		cl, err := s.Claim(ctx, ClaimRequest{Key: keys[i], Fingerprint: FingerprintOf("op", nil), OperationID: fmt.Sprint("op", i), Lease: time.Minute, Retention: time.Hour})
+		require.NoError(t, err)
+		require.Equal(t, Owner, cl.State)
+		tokens[i] = cl.Token
+	}
+	b := &breaker{gate: make(chan struct{})}
+	b.open.Store(true)
+	c.AddHook(b)
+
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	call := func(i int) {
+		wg.Go(func() {
+			if i == n-2 {
+				errs[i] = s.Heartbeat(ctx, keys[i], tokens[i], time.Minute)
+				return
+			}
+			errs[i] = s.Complete(ctx, keys[i], tokens[i], Response{Status: 201, Body: []byte(keys[i].Name)}, time.Hour)
+		})
+	}
+	for i := range maxFlying {
+		call(i)
+	}
+	require.Eventually(t, func() bool { return b.held.Load() == maxFlying }, 5*time.Second, time.Millisecond)
+	for i := maxFlying; i < n; i++ {
+		call(i)
+	}
+	require.Eventually(t, func() bool {
+		s.batch.mu.Lock()
+		defer s.batch.mu.Unlock()
+		return len(s.batch.queue) == n-maxFlying
+	}, 5*time.Second, time.Millisecond, "the last calls queued")
+	close(b.gate)
+	wg.Wait()
+	b.open.Store(false)
+	for i, err := range errs {
+		assert.ErrorIs(t, err, ErrUnavailable, "call %d: the breaker refused it, nothing was sent", i)
+	}
+	// What the server holds: the refused completion was never stored.
+	last := n - 1
+	cl, err := s.Claim(ctx, ClaimRequest{Key: keys[last], Fingerprint: FingerprintOf("op", nil), OperationID: "a retry", Lease: time.Minute, Retention: time.Hour})
+	require.NoError(t, err)
+	assert.Equal(t, InFlight, cl.State, "no completion is stored, whatever Complete said")
+}
+
+var errBreakerOpen = errors.New("circuit breaker open")
+
+// breaker is a go-redis hook that, while open, fails every command without
+// sending it; it holds a script sent by itself at gate first.
+type breaker struct {
+	open atomic.Bool
+	gate chan struct{}
+	held atomic.Int64
+}
+
+func (b *breaker) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (b *breaker) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if !b.open.Load() {
+			return next(ctx, cmd)
+		}
+		if cmd.Name() == "evalsha" {
+			b.held.Add(1)
+			<-b.gate
+		}
+		return errBreakerOpen
+	}
+}
+
+func (b *breaker) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if !b.open.Load() {
+			return next(ctx, cmds)
+		}
+		return errBreakerOpen
+	}
 }

@@ -355,7 +355,7 @@ func (s *RedisStore) confirmedBatcher(node *redis.Client) *batcher {
 // replicas are missing or lag.
 func (s *RedisStore) sendConfirmed(node *redis.Client) func(context.Context, []*batchCall) {
 	return func(ctx context.Context, batch []*batchCall) {
-		_, _ = node.Pipelined(ctx, func(p redis.Pipeliner) error {
+		_, err := node.Pipelined(ctx, func(p redis.Pipeliner) error {
 			queueScripts(ctx, p, batch)
 			acks := p.Do(ctx, "WAIT", s.replicas, s.replicaTimeout.Milliseconds())
 			for _, bc := range batch {
@@ -363,6 +363,7 @@ func (s *RedisStore) sendConfirmed(node *redis.Client) func(context.Context, []*
 			}
 			return nil
 		})
+		unanswered(batch, err)
 	}
 }
 
