@@ -253,8 +253,12 @@ func New(store Store, opts Options) *Guard {
 	opts = opts.withDefaults()
 	g := &Guard{store: store, opts: opts, waiters: make(chan struct{}, opts.MaxWaiters)}
 	g.phases, _ = opts.Observer.(PhaseObserver)
-	if b, ok := store.(deadlineBound); ok {
-		g.callsEndByDeadline = b.callsEndByDeadline()
+	// Only the store itself, not a type that embeds it: an embedding type
+	// inherits callsEndByDeadline along with the methods it may replace
+	// with ones that do not end by their deadline.
+	switch b := store.(type) {
+	case *MemoryStore, *RedisStore:
+		g.callsEndByDeadline = b.(deadlineBound).callsEndByDeadline()
 	}
 	return g
 }

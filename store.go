@@ -156,5 +156,7 @@ func oldestFirst(due []dueRecord, limit int) []AbandonedRecord {
 // not: go-redis without ContextTimeoutEnabled holds a call on a silent
 // connection for its own timeouts. A Guard waits for such a store's calls on
 // the caller's goroutine; for any other store, it stops waiting at the
-// deadline and leaves the call to end on a goroutine of its own.
+// deadline and leaves the call to end on a goroutine of its own. New asks
+// only a *MemoryStore or *RedisStore itself: a type embedding one has the
+// method too, but may replace the very calls it vouches for.
 type deadlineBound interface{ callsEndByDeadline() bool }
