@@ -222,27 +222,50 @@ func TestSilentStoreEndsTheLeaseOnTime(t *testing.T) {
 // its way, with go-redis timeouts far past the lease. A client that honours
 // deadlines (ContextTimeoutEnabled) ends the completion at the lease's local
 // end, on the caller's goroutine; with one that does not, the Guard stops
-// waiting for it then. Either way Do fails with ErrUnavailable on time.
+// waiting for it then. A ReadTimeout of -2 has go-redis set no socket
+// deadline at all, the context's neither, so ContextTimeoutEnabled does not
+// make such a client honour deadlines. Either way Do fails with
+// ErrUnavailable on time.
 func TestSilentRedisEndsTheCompletionOnTime(t *testing.T) {
 	const lease = time.Second
 	srv := testserver.StartRedis(t)
-	for _, honours := range []bool{true, false} {
-		t.Run(map[bool]string{true: "client honours deadlines", false: "client ignores deadlines"}[honours], func(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		opts    redis.Options
+		honours bool
+	}{
+		{"client honours deadlines", redis.Options{ContextTimeoutEnabled: true, ReadTimeout: time.Minute, WriteTimeout: time.Minute}, true},
+		{"client ignores deadlines", redis.Options{ReadTimeout: time.Minute, WriteTimeout: time.Minute}, false},
+		{"client sets no socket deadline", redis.Options{ContextTimeoutEnabled: true, ReadTimeout: -2}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
 			p := faultproxy.Start(t, srv.Addr)
-			c := redis.NewClient(&redis.Options{Addr: p.Addr(), ContextTimeoutEnabled: honours, ReadTimeout: time.Minute, WriteTimeout: time.Minute})
-			t.Cleanup(func() { c.Close() })
-			s := newRedisStore(t, c)
-			assert.Equal(t, honours, s.callsEndByDeadline())
+			c.opts.Addr = p.Addr()
+			client := redis.NewClient(&c.opts)
+			t.Cleanup(func() { client.Close() })
+			s := newRedisStore(t, client)
+			assert.Equal(t, c.honours, s.callsEndByDeadline())
 			g := New(s, Options{Lease: lease})
+			done := make(chan error, 1)
 			sent := time.Now()
-			_, err := g.Do(context.Background(), Key{Name: t.Name()}, FingerprintOf("op", nil), func(context.Context) (Response, error) {
-				p.Partition()
-				return Response{Status: 201}, nil
-			})
-			returned := time.Since(sent)
-			assert.ErrorIs(t, err, ErrUnavailable)
-			assert.Less(t, returned, lease, "Do outlived the lease")
-			assert.GreaterOrEqual(t, returned, lease-leaseMargin(lease)-5*time.Millisecond, "Do gave up on the completion early")
+			go func() {
+				_, err := g.Do(context.Background(), Key{Name: t.Name()}, FingerprintOf("op", nil), func(context.Context) (Response, error) {
+					p.Partition()
+					return Response{Status: 201}, nil
+				})
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				returned := time.Since(sent)
+				assert.ErrorIs(t, err, ErrUnavailable)
+				assert.Less(t, returned, lease, "Do outlived the lease")
+				assert.GreaterOrEqual(t, returned, lease-leaseMargin(lease)-5*time.Millisecond, "Do gave up on the completion early")
+			case <-time.After(3 * lease):
+				t.Errorf("Do had not returned %v after it started, %v past the lease", 3*lease, 2*lease)
+				p.Heal()
+				<-done
+			}
 		})
 	}
 }

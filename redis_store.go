@@ -129,7 +129,10 @@ type RedisOptions struct {
 // silent connection at its context's deadline rather than at its own
 // ReadTimeout, so the Guard's deadlines (Options.ClaimTimeout, the lease's
 // local end) bound every call, and on a *redis.Client the Guard waits for
-// an owner's outcome on the caller's goroutine instead of one of its own.
+// an owner's outcome on the caller's goroutine instead of one of its own
+// (not with a ReadTimeout or WriteTimeout of -2, which turns go-redis's
+// socket deadlines off, the context's too). A go-redis hook runs within
+// those calls: one that ignores its context's deadline holds them as long.
 // With RedisOptions.Replicas set, the scripts sent together to a master
 // share the one WAIT that follows them.
 //
@@ -148,7 +151,8 @@ type RedisStore struct {
 	confirmed sync.Map
 	buckets   [buckets]bucketKeys
 	// endsByDeadline: the client, a *redis.Client, honours its calls'
-	// deadlines (ContextTimeoutEnabled), and so do the batchers.
+	// deadlines (ContextTimeoutEnabled, with socket deadlines not turned
+	// off by a ReadTimeout or WriteTimeout of -2), and so do the batchers.
 	endsByDeadline bool
 
 	replicas       int
@@ -212,7 +216,11 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 		s.publish, s.waiters = "PUBLISH", newWaiters(c)
 		s.master = func(context.Context, string) (*redis.Client, error) { return c, nil }
 		s.reload = func(context.Context) {}
-		readTimeout, s.endsByDeadline = c.Options().ReadTimeout, c.Options().ContextTimeoutEnabled
+		// A timeout below 0 (the option's -2) has go-redis set no socket
+		// deadline at all, the context's neither.
+		opt := c.Options()
+		readTimeout = opt.ReadTimeout
+		s.endsByDeadline = opt.ContextTimeoutEnabled && opt.ReadTimeout >= 0 && opt.WriteTimeout >= 0
 	default:
 		return nil, fmt.Errorf("idempotency: NewRedisStore needs a *redis.Client or a *redis.ClusterClient, not %T", c)
 	}
