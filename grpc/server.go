@@ -2,6 +2,7 @@ package idempotencygrpc
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -189,8 +190,23 @@ func (s *server) admit(ctx context.Context, method string, req any, keys []strin
 	if err != nil {
 		return call{}, status.Errorf(codes.Internal, "idempotencygrpc: marshalling the request of %s: %v", method, err)
 	}
-	c.fp = idempotency.FingerprintOf(method, payload)
+	c.fp = fingerprint(method, payload)
 	return c, nil
+}
+
+// fingerprint is the fingerprint of a call of method with the marshalled
+// request payload, byte for byte. FingerprintOf canonicalises a payload that
+// is a JSON text, and a message's bytes can be one (a single string field
+// 34 bytes long starts with '\n' '"'): then two different messages could
+// canonicalise alike. Such a payload gets a 0xff before it, which is not
+// JSON, so it is hashed byte for byte, and which no message's bytes start
+// with (wire type 7 does not exist), so it cannot pass for another message.
+// Every other payload is fingerprinted as before.
+func fingerprint(method string, payload []byte) idempotency.Fingerprint {
+	if json.Valid(payload) {
+		payload = append([]byte{0xff}, payload...)
+	}
+	return idempotency.FingerprintOf(method, payload)
 }
 
 // outputType finds the output message type of the method named fullMethod

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -475,4 +476,42 @@ func protoEqual(t *testing.T, want, got proto.Message, msgAndArgs ...any) bool {
 		return true
 	}
 	return assert.Fail(t, fmt.Sprintf("messages differ:\nwant %v\ngot  %v", want, got), msgAndArgs...)
+}
+
+// A request message whose deterministic marshalling happens to be a JSON
+// text (one string field 34 bytes long: tag '\n', length '"') must still be
+// fingerprinted as the message it is, not as JSON: these two requests
+// differ, so reusing the key with the second must fail, not replay the
+// first's reply.
+func TestProtoPayloadThatLooksLikeJSON(t *testing.T) {
+	a := `abc"` + strings.Repeat(" ", 30)      // payload "\n" `"abc"` + spaces
+	b := `\u0061bc"` + strings.Repeat(" ", 25) // payload "\n" `"\u0061bc"` + spaces
+	require.Len(t, a, 34)
+	require.Len(t, b, 34)
+
+	g := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
+	intercept := idempotencygrpc.UnaryServerInterceptor(g, idempotencygrpc.ServerOptions{})
+	info := &grpc.UnaryServerInfo{FullMethod: "/grpc.health.v1.Health/Check"}
+	runs := 0
+	handler := func(_ context.Context, req any) (any, error) {
+		runs++
+		if req.(*healthpb.HealthCheckRequest).GetService() == a {
+			return &healthpb.HealthCheckResponse{Status: healthpb.HealthCheckResponse_SERVING}, nil
+		}
+		return &healthpb.HealthCheckResponse{Status: healthpb.HealthCheckResponse_NOT_SERVING}, nil
+	}
+	ctx := metadata.NewIncomingContext(context.Background(), metadata.Pairs(idempotencygrpc.MetadataKey, "k1"))
+
+	reply, err := intercept(ctx, &healthpb.HealthCheckRequest{Service: a}, info, handler)
+	require.NoError(t, err)
+	require.Equal(t, healthpb.HealthCheckResponse_SERVING, reply.(*healthpb.HealthCheckResponse).GetStatus())
+
+	reply, err = intercept(ctx, &healthpb.HealthCheckRequest{Service: b}, info, handler)
+	assert.Equal(t, codes.FailedPrecondition, status.Code(err), "got reply %v for another request", reply)
+	assert.Equal(t, 1, runs)
+
+	// The same message again is still replayed.
+	_, err = intercept(ctx, &healthpb.HealthCheckRequest{Service: a}, info, handler)
+	require.NoError(t, err)
+	assert.Equal(t, 1, runs)
 }
