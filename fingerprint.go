@@ -20,8 +20,9 @@ type Fingerprint [sha256.Size]byte
 // FingerprintOf fingerprints an operation for transports other than HTTP: a
 // name for the operation (a queue, an RPC method) and its payload. A payload
 // that is valid JSON is canonicalised first (RFC 8785), so key order,
-// whitespace and the form of numbers do not matter; any other payload counts
-// byte for byte.
+// whitespace and the form of numbers do not matter; any other payload, and
+// JSON with a number a double does not hold exactly (12345678901234567891),
+// counts byte for byte.
 func FingerprintOf(operation string, payload []byte) Fingerprint {
 	h := newHasher()
 	h.field(operation)
@@ -30,9 +31,9 @@ func FingerprintOf(operation string, payload []byte) Fingerprint {
 }
 
 // requestFingerprint fingerprints an HTTP request: its method, its path, its
-// body (in canonical form for the media types bodyForm knows) and the named
-// headers. Every field is length-prefixed, so no two different requests can
-// produce the same hash input.
+// body (in canonical form for the media types bodyForm knows), the named
+// headers and its query. Every field is length-prefixed, so no two different
+// requests can produce the same hash input.
 func requestFingerprint(r *http.Request, body []byte, headers []string) Fingerprint {
 	h := newHasher()
 	h.field(r.Method)
@@ -45,6 +46,14 @@ func requestFingerprint(r *http.Request, body []byte, headers []string) Fingerpr
 		for _, v := range vs {
 			h.field(v)
 		}
+	}
+	// The query last, and only when there is one, so that a request
+	// without one keeps the fingerprint it had before the query counted:
+	// its fields by name, as a form body's (r.FormValue reads both alike).
+	if r.URL.RawQuery != "" {
+		h.buf[0] = 'q'
+		h.h.Write(h.buf[:1])
+		h.body([]byte(r.URL.RawQuery), canonicalQuery)
 	}
 	return h.sum()
 }
@@ -83,7 +92,7 @@ func bodyForm(contentType string) form {
 func (h *hasher) body(body []byte, f form) {
 	switch f {
 	case canonicalJSON:
-		if c, err := canonjson.Append(nil, body); err == nil {
+		if c, err := canonjson.AppendExact(nil, body); err == nil {
 			h.tagged(f, len(c))
 			h.h.Write(c)
 			return

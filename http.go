@@ -136,13 +136,15 @@ func DefaultDisposition(status int) Disposition {
 // fingerprint, so that its handler runs at most once per key and every
 // retry receives the same response.
 //
-// The fingerprint covers the method, the escaped path, the header fields
-// named in FingerprintHeaders, and the body in a canonical form where its
+// The fingerprint covers the method, the escaped path, the query (its
+// fields sorted by name, as a form body's), the header fields named in
+// FingerprintHeaders, and the body in a canonical form where its
 // Content-Type has one: JSON (application/json, application/*+json) per
-// RFC 8785, and application/x-www-form-urlencoded by field name, keeping
-// the order of each name's values. Any other body counts byte for byte,
-// multipart/form-data with its boundary: a client must resend the same
-// bytes, as http.Request.GetBody does.
+// RFC 8785 (byte for byte if a number in it is not exact in a double,
+// which RFC 8785 would round), and application/x-www-form-urlencoded by
+// field name, keeping the order of each name's values. Any other body
+// counts byte for byte, multipart/form-data with its boundary: a client
+// must resend the same bytes, as http.Request.GetBody does.
 //
 // The handler's response is buffered and stored before any of it is sent
 // (see MaxResponseBytes for one that does not fit). A replay carries the

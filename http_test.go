@@ -1316,3 +1316,82 @@ func TestMiddlewareErrorBody(t *testing.T) {
 	assert.Equal(t, Problem{Type: problemTypes + "problem-missing-key", Title: "Idempotency-Key required", Status: 400,
 		Detail: "This request must carry an Idempotency-Key header."}, p)
 }
+
+// countingServer serves h behind the middleware on a real server, with a
+// MemoryStore, and counts the handler's runs.
+func countingServer(t *testing.T, o MiddlewareOptions, h http.HandlerFunc) (*httptest.Server, *atomic.Int64) {
+	t.Helper()
+	var runs atomic.Int64
+	g := New(NewMemoryStore(MemoryOptions{}), Options{})
+	srv := httptest.NewServer(g.Middleware(o)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		h(w, r)
+	})))
+	t.Cleanup(srv.Close)
+	return srv, &runs
+}
+
+func postKeyed(t *testing.T, url, key, contentType, body string) (int, http.Header, string) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
+	require.NoError(t, err)
+	req.Header.Set(HeaderKey, key)
+	if contentType != "" {
+		req.Header.Set("Content-Type", contentType)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp.StatusCode, resp.Header, string(b)
+}
+
+// A POST whose parameters are in the query string (r.FormValue reads them,
+// as it reads a form body) is a different request when its query differs:
+// the same key must answer 422, not replay the other request's answer.
+func TestQueryStringIsPartOfTheRequest(t *testing.T) {
+	srv, runs := countingServer(t, MiddlewareOptions{}, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, "charged "+r.FormValue("amount"))
+	})
+	status, _, body := postKeyed(t, srv.URL+"/charge?amount=100", "k1", "", "")
+	require.Equal(t, http.StatusOK, status)
+	require.Equal(t, "charged 100", body)
+
+	status, h, body := postKeyed(t, srv.URL+"/charge?amount=100000", "k1", "", "")
+	assert.Equal(t, http.StatusUnprocessableEntity, status, "replayed %q (%s) for a different amount", body, h.Get(HeaderReplayed))
+	assert.EqualValues(t, 1, runs.Load())
+
+	// The same query, its fields in another order, is the same request.
+	status, _, _ = postKeyed(t, srv.URL+"/pay?b=2&a=1", "k2", "", "")
+	require.Equal(t, http.StatusOK, status)
+	status, h, _ = postKeyed(t, srv.URL+"/pay?a=1&b=2", "k2", "", "")
+	assert.Equal(t, http.StatusOK, status)
+	assert.Equal(t, "true", h.Get(HeaderReplayed))
+}
+
+// Two JSON bodies whose numbers differ beyond a double's precision mean
+// different things to a Go handler (json.Unmarshal into int64, or
+// UseNumber): reusing the key with the other must answer 422.
+func TestJSONNumbersBeyondADoubleAreDifferentRequests(t *testing.T) {
+	srv, runs := countingServer(t, MiddlewareOptions{}, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		_, _ = w.Write(b)
+	})
+	const first = `{"to_account":12345678901234567891,"amount":100}`
+	const second = `{"to_account":12345678901234567890,"amount":100}`
+	status, _, body := postKeyed(t, srv.URL+"/transfer", "k1", "application/json", first)
+	require.Equal(t, http.StatusOK, status)
+	require.Equal(t, first, body)
+	status, h, body := postKeyed(t, srv.URL+"/transfer", "k1", "application/json", second)
+	assert.Equal(t, http.StatusUnprocessableEntity, status, "replayed %q (%s) for another account", body, h.Get(HeaderReplayed))
+	assert.EqualValues(t, 1, runs.Load())
+
+	// Spellings of one value still match.
+	const a, b = `{"amount":1.50,"to":"x"}`, `{ "to":"x", "amount":1.5 }`
+	status, _, _ = postKeyed(t, srv.URL+"/transfer", "k2", "application/json", a)
+	require.Equal(t, http.StatusOK, status)
+	status, h, _ = postKeyed(t, srv.URL+"/transfer", "k2", "application/json", b)
+	assert.Equal(t, http.StatusOK, status)
+	assert.Equal(t, "true", h.Get(HeaderReplayed))
+}

@@ -46,9 +46,27 @@ const MaxDepth = 64
 // the extended buffer. On failure it returns dst unchanged and an error
 // wrapping ErrNotCanonical. dst must not overlap src.
 func Append(dst, src []byte) ([]byte, error) {
+	return appendText(dst, src, false)
+}
+
+// AppendExact is Append, except that it also refuses a text with a number
+// whose canonical form is not the same decimal value: one with more
+// precision than a double holds, such as 12345678901234567891 (which RFC
+// 8785 writes 12345678901234567000), one whose digits are not its double's
+// shortest form (982450033083540224, which RFC 8785 writes
+// 982450033083540200), or one that underflows. Such numbers
+// mean different values to a reader that does not go through a double (Go's
+// int64, uint64, json.Number, a decimal type), so two texts that differ in
+// them must not come out alike. Spellings of one exact value still do:
+// 1.50, 1.5 and 15e-1.
+func AppendExact(dst, src []byte) ([]byte, error) {
+	return appendText(dst, src, true)
+}
+
+func appendText(dst, src []byte, exact bool) ([]byte, error) {
 	// Canonical text is seldom longer than the document: whitespace goes,
 	// and few numbers get longer.
-	c := &canonicaliser{src: src, out: slices.Grow(dst, len(src))}
+	c := &canonicaliser{src: src, out: slices.Grow(dst, len(src)), exact: exact}
 	c.members = c.membersSpace[:0]
 	if err := c.value(0); err != nil {
 		return dst, err
@@ -68,9 +86,10 @@ func Append(dst, src []byte) ([]byte, error) {
 // around it that gets sorted: at most 2*MaxDepth times in all. That is why
 // MaxDepth must stay low.
 type canonicaliser struct {
-	src []byte
-	i   int // the next byte of src to read
-	out []byte
+	src   []byte
+	i     int // the next byte of src to read
+	out   []byte
+	exact bool // see AppendExact
 
 	// members are those of the objects being read, innermost object last.
 	members []member
@@ -455,8 +474,85 @@ func (c *canonicaliser) scalar() error {
 	if !ok {
 		return c.fail("invalid literal or number")
 	}
+	if c.exact && !sameDecimal(tok, out[len(c.out):]) {
+		return c.fail("number not exact in a double")
+	}
 	c.out = out
 	return nil
+}
+
+// sameDecimal reports whether the JSON numbers a and b (b in ECMAScript
+// form) denote the same decimal value; zero and minus zero count alike.
+func sameDecimal(a, b []byte) bool {
+	if bytes.Equal(a, b) {
+		return true
+	}
+	an, ahi, alo, ap := decimal(a)
+	bn, bhi, blo, bp := decimal(b)
+	if an != bn || ap != bp || len(ahi)+len(alo) != len(bhi)+len(blo) {
+		return false
+	}
+	digit := func(hi, lo []byte, i int) byte {
+		if i < len(hi) {
+			return hi[i]
+		}
+		return lo[i-len(hi)]
+	}
+	for i := range len(ahi) + len(alo) {
+		if digit(ahi, alo, i) != digit(bhi, blo, i) {
+			return false
+		}
+	}
+	return true
+}
+
+// decimal splits a JSON number into its sign, its significant digits (no
+// leading or trailing zero, none for zero) in two pieces, and the position
+// of the decimal point: the value is 0.d1d2... times 10^point.
+func decimal(tok []byte) (neg bool, hi, lo []byte, point int64) {
+	if len(tok) > 0 && tok[0] == '-' {
+		neg, tok = true, tok[1:]
+	}
+	var exp int64
+	if e := bytes.IndexAny(tok, "eE"); e >= 0 {
+		digits := tok[e+1:]
+		expNeg := len(digits) > 0 && digits[0] == '-'
+		if len(digits) > 0 && (digits[0] == '-' || digits[0] == '+') {
+			digits = digits[1:]
+		}
+		for _, d := range digits {
+			exp = min(exp*10+int64(d-'0'), 1<<40) // far beyond any double
+		}
+		if expNeg {
+			exp = -exp
+		}
+		tok = tok[:e]
+	}
+	hi = tok
+	if d := bytes.IndexByte(tok, '.'); d >= 0 {
+		hi, lo = tok[:d], tok[d+1:]
+	}
+	point = int64(len(hi)) + exp
+	for len(hi) > 0 && hi[0] == '0' {
+		hi, point = hi[1:], point-1
+	}
+	if len(hi) == 0 {
+		for len(lo) > 0 && lo[0] == '0' {
+			lo, point = lo[1:], point-1
+		}
+	}
+	for len(lo) > 0 && lo[len(lo)-1] == '0' {
+		lo = lo[:len(lo)-1]
+	}
+	if len(lo) == 0 {
+		for len(hi) > 0 && hi[len(hi)-1] == '0' {
+			hi = hi[:len(hi)-1]
+		}
+	}
+	if len(hi)+len(lo) == 0 {
+		return false, nil, nil, 0
+	}
+	return neg, hi, lo, point
 }
 
 // appendNumber appends the canonical form of the JSON number tok: the

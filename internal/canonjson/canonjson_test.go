@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"math"
+	"math/big"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -193,5 +195,66 @@ func FuzzAppend(f *testing.F) {
 		again, err := Append(nil, out)
 		require.NoError(t, err, "%q gives %q", text, out)
 		require.Equal(t, string(out), string(again), "%q", text)
+	})
+}
+
+// AppendExact refuses exactly the texts whose numbers the canonical form
+// would change in value, and canonicalises the rest as Append does.
+func TestAppendExact(t *testing.T) {
+	for _, tc := range []struct {
+		in    string
+		exact bool
+	}{
+		{`1`, true}, {`-0`, true}, {`0.0`, true}, {`1.50`, true}, {`15e-1`, true}, {`1E2`, true},
+		{`0.1`, true}, {`1e21`, true}, {`1000000000000000000000`, true}, {`1.5e-7`, true},
+		{`9007199254740992`, true}, {`123456789012345678`, false}, {`9007199254740993`, false},
+		{`12345678901234567891`, false}, {`0.10000000000000000001`, false}, {`1e-400`, false},
+		{`4.9e-324`, false}, {`5e-324`, true}, {`-12.5e+3`, true}, {`[1,{"a":2.00}]`, true},
+		{`{"a":[18446744073709551615]}`, false}, {`"12345678901234567891"`, true},
+	} {
+		want, wantErr := Append(nil, []byte(tc.in))
+		got, err := AppendExact(nil, []byte(tc.in))
+		if tc.exact {
+			if err != nil || wantErr != nil || string(got) != string(want) {
+				t.Errorf("AppendExact(%s) = %s, %v; want %s, %v", tc.in, got, err, want, wantErr)
+			}
+		} else if err == nil {
+			t.Errorf("AppendExact(%s) = %s, want an error (Append: %s)", tc.in, got, want)
+		}
+	}
+}
+
+// jsonNumber is an RFC 8259 number whose exponent has at most 3 digits, so
+// that big.Rat can hold its value exactly and cheaply.
+var jsonNumber = regexp.MustCompile(`^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]{1,3})?$`)
+
+// sameDecimal agrees with exact rational arithmetic on any two numbers, and
+// AppendExact's test of a number, sameDecimal against its canonical form,
+// with the rational value of both.
+func FuzzSameDecimal(f *testing.F) {
+	for _, seed := range [][2]string{
+		{"1.50", "1.5"}, {"15e-1", "1.5"}, {"-0", "0"}, {"0.0e5", "-0.000"}, {"100", "1e2"},
+		{"12345678901234567891", "12345678901234567000"}, {"0.1", "0.10000000000000000001"},
+		{"1e-400", "0"}, {"120", "12"}, {"0.012", "1.2e-2"},
+	} {
+		f.Add(seed[0], seed[1])
+	}
+	rat := func(s string) *big.Rat {
+		r, ok := new(big.Rat).SetString(s)
+		if !ok {
+			panic(s)
+		}
+		return r
+	}
+	f.Fuzz(func(t *testing.T, a, b string) {
+		if !jsonNumber.MatchString(a) {
+			return
+		}
+		if canon, ok := appendNumber(nil, []byte(a)); ok {
+			assert.Equal(t, rat(a).Cmp(rat(string(canon))) == 0, sameDecimal([]byte(a), canon), "%s and its canonical form %s", a, canon)
+		}
+		if jsonNumber.MatchString(b) {
+			assert.Equal(t, rat(a).Cmp(rat(b)) == 0, sameDecimal([]byte(a), []byte(b)), "%s and %s", a, b)
+		}
 	})
 }
