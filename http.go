@@ -117,14 +117,16 @@ func (o MiddlewareOptions) withDefaults() MiddlewareOptions {
 }
 
 // DefaultDisposition is the middleware's default policy: 5xx releases the
-// key for a retry; 400, 408, 409, 422 and 429 forget it, since the client
-// may correct the request and reuse the key; any other status is kept and
-// replayed.
+// key for a retry; 400, 401, 403, 408, 409, 422 and 429 forget it, since
+// the client may correct the request or its credentials and reuse the key
+// (a kept refusal would be replayed to it for the whole retention); any
+// other status is kept and replayed.
 func DefaultDisposition(status int) Disposition {
 	switch {
 	case status >= 500:
 		return Release
-	case status == http.StatusBadRequest, status == http.StatusRequestTimeout, status == http.StatusConflict,
+	case status == http.StatusBadRequest, status == http.StatusUnauthorized, status == http.StatusForbidden,
+		status == http.StatusRequestTimeout, status == http.StatusConflict,
 		status == http.StatusUnprocessableEntity, status == http.StatusTooManyRequests:
 		return Forget
 	}

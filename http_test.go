@@ -1197,8 +1197,8 @@ func FuzzParseKey(f *testing.F) {
 
 func TestDefaultDisposition(t *testing.T) {
 	for status, want := range map[int]Disposition{
-		200: Keep, 201: Keep, 204: Keep, 302: Keep, 401: Keep, 402: Keep, 403: Keep, 404: Keep, 410: Keep,
-		400: Forget, 408: Forget, 409: Forget, 422: Forget, 429: Forget,
+		200: Keep, 201: Keep, 204: Keep, 302: Keep, 402: Keep, 404: Keep, 410: Keep,
+		400: Forget, 401: Forget, 403: Forget, 408: Forget, 409: Forget, 422: Forget, 429: Forget,
 		500: Release, 502: Release, 503: Release, 599: Release,
 	} {
 		assert.Equal(t, want, DefaultDisposition(status), "status %d", status)

@@ -107,7 +107,7 @@ const (
 	Release
 	// Forget deletes the record: the key may be used again, even with a
 	// different request. Use it when the operation never began (the HTTP
-	// default for 400, 408, 409, 422 and 429).
+	// default for 400, 401, 403, 408, 409, 422 and 429).
 	Forget
 	// Settled says the operation already stored its outcome itself, in its
 	// own transaction (see the postgres package's Store.CompleteTx), so the
