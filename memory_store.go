@@ -152,9 +152,16 @@ func (s *MemoryStore) Abandon(_ context.Context, k Key, token uint64) error {
 	return s.renew(k, token, 0)
 }
 
-// renew sets the lease of the record owned by token to end lease from now.
+// renew sets the lease of the record owned by token to end lease from now,
+// and keeps the record at least that long: expired under a live owner, it
+// would let a claim make a new record, and a second owner, beside it.
 func (s *MemoryStore) renew(k Key, token uint64, lease time.Duration) error {
-	return s.owned(k, token, func(r *memRecord, now time.Time) { r.leaseUntil = now.Add(lease) })
+	return s.owned(k, token, func(r *memRecord, now time.Time) {
+		r.leaseUntil = now.Add(lease)
+		if r.leaseUntil.After(r.expires) {
+			r.expires = r.leaseUntil
+		}
+	})
 }
 
 // Subscribe implements Store. It is confirmed at once: every transition

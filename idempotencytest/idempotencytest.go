@@ -60,6 +60,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"HeartbeatExtendsLease", heartbeatExtendsLease},
 		{"Retention", retention},
 		{"TakeoverExtendsRetention", takeoverExtendsRetention},
+		{"RenewalOutlivesRetention", renewalOutlivesRetention},
 		{"WakeUp", wakeUp},
 		{"ConcurrentClaims", concurrentClaims},
 		{"Guard", guard},

@@ -58,3 +58,23 @@ func takeoverExtendsRetention(e *env) {
 	e.complete(first.Key, c.Token, want, "the late owner")
 	e.requireReplay(request(first.Key, fp), first.OperationID, want, "claim after the late owner completed")
 }
+
+// renewalOutlivesRetention checks that a record is kept while its owner
+// renews it: a renewal keeps the record at least until the renewed lease
+// ends, even past the record's retention. Otherwise an operation that runs
+// longer than the retention loses its record, a retry makes a new one (a
+// second owner beside the first, under a new operation ID) and the first
+// owner's outcome is refused.
+func renewalOutlivesRetention(e *env) {
+	fp := fingerprint("a")
+	req := request(e.key("long-run"), fp)
+	req.Lease, req.Retention = e.lease, e.lease
+	c := e.own(req, 1, req.OperationID, "first claim, with a retention as long as its lease")
+	e.wait(e.lease / 2)
+	require.NoError(e.t, e.store.Heartbeat(e.ctx, req.Key, c.Token, 2*e.lease), "renewal halfway through the lease")
+	e.wait(e.lease) // past the retention, well within the renewed lease
+	e.requireInFlight(request(req.Key, fp), 2*e.lease, "claim past the retention, while the renewed lease runs")
+	want := idempotency.Response{Status: http.StatusCreated, Body: []byte("ran past its retention")}
+	e.complete(req.Key, c.Token, want, "the owner that renewed past the retention")
+	e.requireReplay(request(req.Key, fp), req.OperationID, want, "claim after the long-running owner completed")
+}

@@ -10,5 +10,10 @@ if not v then
 end
 local deadline = string.format('%d', now() + tonumber(ARGV[2]))
 redis.call('SET', rec, encode(IN_FLIGHT, fingerprint(v), op, deadline, ARGV[1], attempt, abandoned, waited, claimer), 'KEEPTTL')
+-- The record outlives the renewed lease: expired under a live owner, it
+-- would let a claim make a new record, and a second owner, beside it.
+if redis.call('PTTL', rec) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', rec, ARGV[2])
+end
 redis.call('ZADD', KEYS[2], deadline, rec)
 return 1

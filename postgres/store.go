@@ -116,9 +116,14 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 		// judged by the clock at the statement itself.
 		completeTxSQL: `UPDATE ` + t + ` SET state = 'completed', response = $4,
 			expires_at = now() + $5 * interval '1 microsecond' WHERE ` + owned + ` AND lease_until > clock_timestamp()`,
-		releaseSQL:   `UPDATE ` + t + ` SET state = 'released' WHERE ` + owned,
-		forgetSQL:    `DELETE FROM ` + t + ` WHERE ` + owned,
-		heartbeatSQL: `UPDATE ` + t + ` SET lease_until = now() + $4 * interval '1 microsecond' WHERE ` + owned,
+		releaseSQL: `UPDATE ` + t + ` SET state = 'released' WHERE ` + owned,
+		forgetSQL:  `DELETE FROM ` + t + ` WHERE ` + owned,
+		// A record never expires under a live lease: an owner that renews
+		// past the record's retention keeps the record while it runs, rather
+		// than lose it to a claim that would make a new record, and a second
+		// owner, beside it. Abandon (a lease of 0) leaves expires_at as is.
+		heartbeatSQL: `UPDATE ` + t + ` SET lease_until = now() + $4 * interval '1 microsecond',
+			expires_at = greatest(expires_at, now() + $4 * interval '1 microsecond') WHERE ` + owned,
 		// The partial index on lease_until holds the records in flight only,
 		// so the scan's cost follows them, not every record kept. Records
 		// past retention still in it (until DeleteExpired) are filtered out.
