@@ -131,14 +131,20 @@ func (m *migratingStore) oldToken(k Key, token uint64, done bool) (uint64, bool)
 	return t, ok
 }
 
+// Complete stores the outcome in the old store first, when the owner holds
+// the record there too. Instances still on the old store read it alone, and
+// a migrating claim that finds the new store's record lapsed asks the old
+// one, so an outcome the old store holds is the one every instance answers.
+// The other way round, an outcome only the new store took would be replayed
+// by migrating instances while instances on the old store let the record
+// lapse, ran the operation again and answered another outcome.
 func (m *migratingStore) Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
-	if err := m.new.Complete(ctx, k, token, resp, retention); err != nil {
-		return err
-	}
 	if old, ok := m.oldToken(k, token, true); ok {
-		return m.old.Complete(ctx, k, old, resp, retention)
+		if err := m.old.Complete(ctx, k, old, resp, retention); err != nil {
+			return err
+		}
 	}
-	return nil
+	return m.new.Complete(ctx, k, token, resp, retention)
 }
 
 func (m *migratingStore) Release(ctx context.Context, k Key, token uint64) error {
