@@ -174,13 +174,45 @@ func newNames(table string) names {
 // Migrate creates the table, its indexes, and the functions and triggers the
 // Store runs, or brings the functions and triggers up to date. It is safe to
 // run from many instances at once: each runs it in a transaction under an
-// advisory lock named after the table.
+// advisory lock named after the table. It never waits long for a lock on
+// the table, which would hold up every store call behind it: while a
+// transaction holds the table (a CompleteTx not yet committed, a VACUUM) it
+// tries again, until ctx is done.
 func (s *Store) Migrate(ctx context.Context) error {
 	return s.migrate(ctx, schemaTemplate)
 }
 
-// migrate runs the schema that tmpl renders, as Migrate describes.
+// migrateLockTimeout bounds how long one attempt of a migration waits for a
+// lock on the table. CREATE INDEX takes a SHARE lock and CREATE OR REPLACE
+// TRIGGER a SHARE ROW EXCLUSIVE one even when nothing changes, and
+// PostgreSQL queues every later lock request behind a waiting one: a
+// migration waiting for a transaction that holds the table (a CompleteTx
+// not yet committed, a VACUUM) would hold up every claim, renewal and
+// completion on the table with it, on every instance. An attempt that
+// times out gives its place in the queue up and is tried again.
+const migrateLockTimeout = 100 * time.Millisecond
+
+// migrate runs the schema that tmpl renders, as Migrate describes, trying
+// again after a lock timeout until ctx is done.
 func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
+	delay := migrateLockTimeout
+	for {
+		err := s.migrateOnce(ctx, tmpl)
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != "55P03" { // lock_not_available
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return storeerr.Unavailable("postgres migrate", errors.Join(err, context.Cause(ctx)))
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, 2*time.Second)
+	}
+}
+
+// migrateOnce makes one attempt of migrate.
+func (s *Store) migrateOnce(ctx context.Context, tmpl *template.Template) error {
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return storeerr.Unavailable("postgres migrate", err)
@@ -191,6 +223,10 @@ func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
 	// concurrently updated": the lock makes the migrations take turns.
 	lock := sha256.Sum256([]byte("idempotency-go postgres migrate " + s.opts.Table))
 	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(binary.BigEndian.Uint64(lock[:8]))); err != nil {
+		return storeerr.Unavailable("postgres migrate", err)
+	}
+	// Set after the advisory lock: concurrent migrations wait their turn.
+	if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL lock_timeout = %d", migrateLockTimeout.Milliseconds())); err != nil {
 		return storeerr.Unavailable("postgres migrate", err)
 	}
 	n := newNames(s.opts.Table)

@@ -1,0 +1,59 @@
+package postgres_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/postgres"
+)
+
+// Migrate runs at every instance's start. Run again on a table already up to
+// date, it must not queue the Store's own statements behind a lock they do
+// not otherwise wait for: here a CompleteTx transaction on one key still
+// open (a slow business transaction) while an instance starts. Claims of
+// other keys run beside such a transaction; they must keep running while
+// the new instance migrates.
+func TestMigrateDoesNotStallClaims(t *testing.T) {
+	pg := testserver.StartPostgres(t)
+	pool, err := pgxpool.New(t.Context(), pg.DSN)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	s := postgres.New(pool, postgres.Options{})
+	t.Cleanup(s.Close)
+	require.NoError(t, s.Migrate(t.Context()))
+	ctx := t.Context()
+
+	// A business transaction that completed its record and has not committed yet.
+	busy := claim(t, s, request("busy", longLease))
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	require.NoError(t, s.CompleteTx(ctx, tx, key("busy"), busy.Token, okResponse, longRetention))
+
+	// Without a migration, a claim of another key runs at once.
+	cctx, cancel := context.WithTimeout(ctx, time.Second)
+	_, err = s.Claim(cctx, request("before", longLease))
+	cancel()
+	require.NoError(t, err, "a claim beside the open transaction")
+
+	// Another instance starts and migrates the same, up-to-date table.
+	other := postgres.New(pool, postgres.Options{})
+	t.Cleanup(other.Close)
+	migrated := make(chan error, 1)
+	go func() { migrated <- other.Migrate(ctx) }()
+	time.Sleep(300 * time.Millisecond)
+
+	cctx, cancel = context.WithTimeout(ctx, time.Second)
+	start := time.Now()
+	_, err = s.Claim(cctx, request("during", longLease))
+	cancel()
+	require.NoError(t, err, "a claim while an instance migrates the up-to-date table (waited %v)", time.Since(start).Round(time.Millisecond))
+
+	require.NoError(t, tx.Commit(ctx))
+	require.NoError(t, <-migrated)
+}
