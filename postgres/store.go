@@ -69,6 +69,13 @@ const (
 	maxReconnectDelay = 5 * time.Second
 )
 
+// listenPing is how long the listening connection may stay silent before it
+// is pinged. A ping, or a connection and its LISTEN, unanswered for as long
+// again counts as failed: a connection gone silent (a dropped NAT entry, a
+// hung load balancer) is replaced, and every subscriber woken, within twice
+// this, rather than when TCP keepalive gives up on it many minutes later.
+const listenPing = 3 * time.Second
+
 // Store is an idempotency.Store on PostgreSQL. It is safe for concurrent use.
 // Stores in many processes that share a database and Options act as one.
 type Store struct {
@@ -528,13 +535,15 @@ func (s *Store) listen(ctx context.Context) {
 func (s *Store) listenOnce(ctx context.Context, reconnect bool) (listened bool) {
 	var conn *pgx.Conn
 	err := func() error {
-		pc, err := s.pool.Acquire(ctx)
+		actx, cancel := context.WithTimeout(ctx, listenPing)
+		defer cancel()
+		pc, err := s.pool.Acquire(actx)
 		if err != nil {
 			return err
 		}
 		// Hijacked: a connection in LISTEN must not go back to the pool.
 		conn = pc.Hijack()
-		_, err = conn.Exec(ctx, "LISTEN "+pgx.Identifier{s.opts.Channel}.Sanitize())
+		_, err = conn.Exec(actx, "LISTEN "+pgx.Identifier{s.opts.Channel}.Sanitize())
 		return err
 	}()
 	if conn != nil {
@@ -560,9 +569,19 @@ func (s *Store) listenOnce(ctx context.Context, reconnect bool) (listened bool) 
 	s.mu.Unlock()
 
 	for {
-		n, err := conn.WaitForNotification(ctx)
+		wctx, cancel := context.WithTimeout(ctx, listenPing)
+		n, err := conn.WaitForNotification(wctx)
+		cancel()
 		if n != nil {
 			s.subs.Wake(n.Payload)
+		}
+		if err != nil && ctx.Err() == nil && wctx.Err() != nil {
+			// Silent for listenPing: a read that timed out leaves the
+			// connection usable; ask the server whether it is still there.
+			// Notifications that arrive meanwhile are kept for the next wait.
+			pctx, cancel := context.WithTimeout(ctx, listenPing)
+			err = conn.Ping(pctx)
+			cancel()
 		}
 		if err != nil {
 			s.lost(err)
