@@ -139,7 +139,8 @@ type Options struct {
 	// ends a margin sooner (see Do). Default 10s.
 	Lease time.Duration
 	// Retention is how long a record, and so a stored response, is kept. It
-	// must outlast the clients' longest retry window. Default 24h.
+	// must outlast the clients' longest retry window. An operation that runs
+	// longer keeps its record while it renews its lease. Default 24h.
 	Retention time.Duration
 	// WaitTimeout is how long a duplicate of an in-flight request waits for
 	// the original to finish before failing with ErrInFlight. Default 10s;

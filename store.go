@@ -52,7 +52,8 @@ type Store interface {
 	// otherwise), so that the key is free for any request.
 	Forget(ctx context.Context, k Key, token uint64) error
 	// Heartbeat extends the current owner's lease to lease (above 0) from
-	// now, if token is the current owner's (ErrFenced otherwise).
+	// now, if token is the current owner's (ErrFenced otherwise), and keeps
+	// the record at least until that lease ends, even past its retention.
 	Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error
 	// Abandon gives the current owner's lease up without settling the
 	// record, if token is the current owner's (ErrFenced otherwise): it
