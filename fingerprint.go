@@ -21,8 +21,9 @@ type Fingerprint [sha256.Size]byte
 // name for the operation (a queue, an RPC method) and its payload. A payload
 // that is valid JSON is canonicalised first (RFC 8785), so key order,
 // whitespace and the form of numbers do not matter; any other payload, and
-// JSON with a number a double does not hold exactly (12345678901234567891),
-// counts byte for byte.
+// JSON with a number whose RFC 8785 form is another decimal value (one with
+// more digits than a double keeps, 12345678901234567891, which RFC 8785
+// writes 12345678901234567000), counts byte for byte.
 func FingerprintOf(operation string, payload []byte) Fingerprint {
 	h := newHasher()
 	h.field(operation)

@@ -142,9 +142,10 @@ func DefaultDisposition(status int) Disposition {
 // fields sorted by name, as a form body's), the header fields named in
 // FingerprintHeaders, and the body in a canonical form where its
 // Content-Type has one: JSON (application/json, application/*+json) per
-// RFC 8785 (byte for byte if a number in it is not exact in a double,
-// which RFC 8785 would round), and application/x-www-form-urlencoded by
-// field name, keeping the order of each name's values. Any other body
+// RFC 8785 (byte for byte if RFC 8785 would write a number in it as
+// another decimal value, rounded to a double's shortest digits), and
+// application/x-www-form-urlencoded by field name, keeping the order of
+// each name's values. Any other body
 // counts byte for byte, multipart/form-data with its boundary: a client
 // must resend the same bytes, as http.Request.GetBody does.
 //
