@@ -2,6 +2,8 @@ package postgres_test
 
 import (
 	"context"
+	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -56,4 +58,60 @@ func TestMigrateDoesNotStallClaims(t *testing.T) {
 
 	require.NoError(t, tx.Commit(ctx))
 	require.NoError(t, <-migrated)
+}
+
+// An instance starting under steady traffic whose CompleteTx business
+// transactions last longer than the migration's lock timeout (here 300 ms,
+// one starting every 100 ms, so that one is always open that began less
+// than 100 ms ago) must still get through Migrate of the up-to-date table,
+// as it did when Migrate simply waited its turn: CREATE INDEX IF NOT EXISTS
+// takes its SHARE lock even when the index exists, every attempt finds a
+// transaction on the table that will not end within the lock timeout, and
+// retrying the same timeout starves the migration for as long as the
+// traffic lasts.
+func TestMigrateUnderSteadyLongTransactions(t *testing.T) {
+	pg := testserver.StartPostgres(t)
+	cfg, err := pgxpool.ParseConfig(pg.DSN)
+	require.NoError(t, err)
+	cfg.MaxConns = 16
+	pool, err := pgxpool.NewWithConfig(t.Context(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	s := postgres.New(pool, postgres.Options{})
+	t.Cleanup(s.Close)
+	require.NoError(t, s.Migrate(t.Context()))
+
+	ctx, stop := context.WithCancel(t.Context())
+	var wg sync.WaitGroup
+	for g := range 3 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			time.Sleep(time.Duration(g) * 100 * time.Millisecond)
+			for i := 0; ctx.Err() == nil; i++ {
+				req := request(fmt.Sprintf("steady-%d-%d", g, i), longLease)
+				c, err := s.Claim(ctx, req)
+				if err != nil {
+					continue
+				}
+				tx, err := pool.Begin(ctx)
+				if err != nil {
+					continue
+				}
+				_ = s.CompleteTx(ctx, tx, req.Key, c.Token, okResponse, longRetention)
+				time.Sleep(300 * time.Millisecond) // the business transaction's own work
+				_ = tx.Commit(context.WithoutCancel(ctx))
+			}
+		}()
+	}
+	defer func() { stop(); wg.Wait() }()
+	time.Sleep(500 * time.Millisecond)
+
+	other := postgres.New(pool, postgres.Options{})
+	t.Cleanup(other.Close)
+	mctx, cancel := context.WithTimeout(t.Context(), 8*time.Second)
+	defer cancel()
+	start := time.Now()
+	err = other.Migrate(mctx)
+	require.NoError(t, err, "Migrate of the up-to-date table under steady traffic (after %v)", time.Since(start).Round(time.Millisecond))
 }

@@ -184,7 +184,8 @@ func newNames(table string) names {
 // advisory lock named after the table. It never waits long for a lock on
 // the table, which would hold up every store call behind it: while a
 // transaction holds the table (a CompleteTx not yet committed, a VACUUM) it
-// tries again, until ctx is done.
+// tries again, each attempt waiting a little longer (100ms, then up to 2s),
+// until ctx is done.
 func (s *Store) Migrate(ctx context.Context) error {
 	return s.migrate(ctx, schemaTemplate)
 }
@@ -197,14 +198,26 @@ func (s *Store) Migrate(ctx context.Context) error {
 // not yet committed, a VACUUM) would hold up every claim, renewal and
 // completion on the table with it, on every instance. An attempt that
 // times out gives its place in the queue up and is tried again.
-const migrateLockTimeout = 100 * time.Millisecond
+//
+// Each attempt after a timeout waits twice as long, up to
+// maxMigrateLockTimeout: under steady traffic whose transactions on the
+// table (CompleteTx in a business transaction) outlast the first timeout,
+// one of them is always open when an attempt asks, and the same timeout
+// would starve the migration for as long as the traffic lasts. The longest
+// wait is above PostgreSQL's default deadlock_timeout (1s), after which a
+// waiting lock request cancels an autovacuum of the table that blocks it;
+// a shorter one would wait out the whole vacuum.
+const (
+	migrateLockTimeout    = 100 * time.Millisecond
+	maxMigrateLockTimeout = 2 * time.Second
+)
 
 // migrate runs the schema that tmpl renders, as Migrate describes, trying
 // again after a lock timeout until ctx is done.
 func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
-	delay := migrateLockTimeout
+	delay, lockTimeout := migrateLockTimeout, migrateLockTimeout
 	for {
-		err := s.migrateOnce(ctx, tmpl)
+		err := s.migrateOnce(ctx, tmpl, lockTimeout)
 		var pgErr *pgconn.PgError
 		if !errors.As(err, &pgErr) || pgErr.Code != "55P03" { // lock_not_available
 			return err
@@ -215,11 +228,13 @@ func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
 		case <-time.After(delay):
 		}
 		delay = min(2*delay, 2*time.Second)
+		lockTimeout = min(2*lockTimeout, maxMigrateLockTimeout)
 	}
 }
 
-// migrateOnce makes one attempt of migrate.
-func (s *Store) migrateOnce(ctx context.Context, tmpl *template.Template) error {
+// migrateOnce makes one attempt of migrate, waiting at most lockTimeout
+// for each lock on the table.
+func (s *Store) migrateOnce(ctx context.Context, tmpl *template.Template, lockTimeout time.Duration) error {
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return storeerr.Unavailable("postgres migrate", err)
@@ -233,7 +248,7 @@ func (s *Store) migrateOnce(ctx context.Context, tmpl *template.Template) error 
 		return storeerr.Unavailable("postgres migrate", err)
 	}
 	// Set after the advisory lock: concurrent migrations wait their turn.
-	if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL lock_timeout = %d", migrateLockTimeout.Milliseconds())); err != nil {
+	if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL lock_timeout = %d", lockTimeout.Milliseconds())); err != nil {
 		return storeerr.Unavailable("postgres migrate", err)
 	}
 	n := newNames(s.opts.Table)
@@ -569,13 +584,11 @@ func (s *Store) listenOnce(ctx context.Context, reconnect bool) (listened bool) 
 	s.mu.Unlock()
 
 	for {
-		wctx, cancel := context.WithTimeout(ctx, listenPing)
-		n, err := conn.WaitForNotification(wctx)
-		cancel()
+		n, silent, err := waitNotification(ctx, conn)
 		if n != nil {
 			s.subs.Wake(n.Payload)
 		}
-		if err != nil && ctx.Err() == nil && wctx.Err() != nil {
+		if silent {
 			// Silent for listenPing: a read that timed out leaves the
 			// connection usable; ask the server whether it is still there.
 			// Notifications that arrive meanwhile are kept for the next wait.
@@ -588,6 +601,31 @@ func (s *Store) listenOnce(ctx context.Context, reconnect bool) (listened bool) 
 			return true
 		}
 	}
+}
+
+// waitNotification waits for a notification on conn for at most
+// listenPing, and reports silent when none came in that time. The wait is
+// bounded by a read deadline on the connection, not by a context: a context
+// that ends goes through the connection's ContextWatcherHandler, which an
+// application may have made a CancelRequestContextWatcherHandler, and that
+// would send the server a cancel request, on a connection of its own, at
+// every listenPing of silence (which an idle backend ignores), and hold the
+// wait until its DeadlineDelay.
+func waitNotification(ctx context.Context, conn *pgx.Conn) (n *pgconn.Notification, silent bool, err error) {
+	nc := conn.PgConn().Conn()
+	if err := nc.SetReadDeadline(time.Now().Add(listenPing)); err != nil {
+		return nil, false, err
+	}
+	n, err = conn.WaitForNotification(ctx)
+	if err != nil && ctx.Err() == nil && pgconn.Timeout(err) && !conn.IsClosed() {
+		// The read deadline, not ctx: clear it for the ping.
+		if derr := nc.SetReadDeadline(time.Time{}); derr != nil {
+			return n, false, derr
+		}
+		return n, true, nil
+	}
+	_ = nc.SetReadDeadline(time.Time{})
+	return n, false, err
 }
 
 // lost records that the listener has no listening connection.
