@@ -152,15 +152,22 @@ func (s *MemoryStore) Abandon(_ context.Context, k Key, token uint64) error {
 	return s.renew(k, token, 0)
 }
 
-// renew sets the lease of the record owned by token to end lease from now,
-// and keeps the record at least that long: expired under a live owner, it
-// would let a claim make a new record, and a second owner, beside it.
+// renew sets the lease of the record owned by token to end lease from now.
+// The record's expiry moves as far as its lease does, and never comes
+// before the lease's end: a record that expired under a live owner would
+// let a claim make a new one, a second owner beside the first; and one
+// whose owner then dies stays for a takeover as long after its lease as a
+// record never renewed would.
 func (s *MemoryStore) renew(k Key, token uint64, lease time.Duration) error {
 	return s.owned(k, token, func(r *memRecord, now time.Time) {
-		r.leaseUntil = now.Add(lease)
-		if r.leaseUntil.After(r.expires) {
-			r.expires = r.leaseUntil
+		renewed := now.Add(lease)
+		if moved := renewed.Sub(r.leaseUntil); moved > 0 {
+			r.expires = r.expires.Add(moved)
 		}
+		if renewed.After(r.expires) {
+			r.expires = renewed
+		}
+		r.leaseUntil = renewed
 	})
 }
 

@@ -52,8 +52,10 @@ type Store interface {
 	// otherwise), so that the key is free for any request.
 	Forget(ctx context.Context, k Key, token uint64) error
 	// Heartbeat extends the current owner's lease to lease (above 0) from
-	// now, if token is the current owner's (ErrFenced otherwise), and keeps
-	// the record at least until that lease ends, even past its retention.
+	// now, if token is the current owner's (ErrFenced otherwise). It moves
+	// the record's expiry as far as it moves the lease, and never to before
+	// the lease's end: an owner that runs past the retention keeps its
+	// record, and if it then dies the record is abandoned, as any other.
 	Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error
 	// Abandon gives the current owner's lease up without settling the
 	// record, if token is the current owner's (ErrFenced otherwise): it

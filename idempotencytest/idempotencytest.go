@@ -61,6 +61,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"Retention", retention},
 		{"TakeoverExtendsRetention", takeoverExtendsRetention},
 		{"RenewalOutlivesRetention", renewalOutlivesRetention},
+		{"RenewedRecordIsAbandonedAfterItsLease", renewedRecordIsAbandonedAfterItsLease},
 		{"WakeUp", wakeUp},
 		{"ConcurrentClaims", concurrentClaims},
 		{"Guard", guard},

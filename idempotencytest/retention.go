@@ -78,3 +78,24 @@ func renewalOutlivesRetention(e *env) {
 	e.complete(req.Key, c.Token, want, "the owner that renewed past the retention")
 	e.requireReplay(request(req.Key, fp), req.OperationID, want, "claim after the long-running owner completed")
 }
+
+// renewedRecordIsAbandonedAfterItsLease checks that a record whose owner
+// renewed it past its retention and then stopped (a crash) is handled like
+// any record whose owner died: listed by Abandoned once the lease ran out,
+// and taken over with Abandoned set and the same operation ID, so that the
+// operation's downstream keys stay the same. A renewal moves the record's
+// expiry as far as it moves the lease.
+func renewedRecordIsAbandonedAfterItsLease(e *env) {
+	fp := fingerprint("a")
+	req := request(e.key("renewed-then-dead"), fp)
+	req.Lease, req.Retention = e.lease, 2*e.lease
+	c := e.own(req, 1, req.OperationID, "first claim, with a retention of two leases")
+	for range 3 {
+		e.wait(e.lease / 2)
+		require.NoError(e.t, e.store.Heartbeat(e.ctx, req.Key, c.Token, e.lease), "renewal every half lease")
+	}
+	e.wait(e.past) // the last lease ran out, and so did the claim's retention
+	require.Contains(e.t, e.listed(req.Key), req.Key, "Abandoned lists the record whose owner stopped renewing")
+	taker := e.own(request(req.Key, fp), 2, req.OperationID, "takeover of the record renewed past its retention")
+	e.requireAbandoned(taker, true, "takeover of the record renewed past its retention")
+}

@@ -4,16 +4,22 @@
 -- KEYS[1] the record, KEYS[2] its slot's in-flight index. ARGV: token,
 -- lease ms.
 local rec = KEYS[1]
-local v, op, _, attempt, abandoned, waited, claimer = owned(rec, ARGV[1])
+local v, op, deadline, attempt, abandoned, waited, claimer = owned(rec, ARGV[1])
 if not v then
   return fenced()
 end
-local deadline = string.format('%d', now() + tonumber(ARGV[2]))
-redis.call('SET', rec, encode(IN_FLIGHT, fingerprint(v), op, deadline, ARGV[1], attempt, abandoned, waited, claimer), 'KEEPTTL')
--- The record outlives the renewed lease: expired under a live owner, it
--- would let a claim make a new record, and a second owner, beside it.
-if redis.call('PTTL', rec) < tonumber(ARGV[2]) then
-  redis.call('PEXPIRE', rec, ARGV[2])
+local lease = tonumber(ARGV[2])
+local renewed = now() + lease
+local renewedText = string.format('%d', renewed)
+redis.call('SET', rec, encode(IN_FLIGHT, fingerprint(v), op, renewedText, ARGV[1], attempt, abandoned, waited, claimer), 'KEEPTTL')
+-- The record's expiry moves as far as its lease does, and never comes
+-- before the lease's end: a record that expired under a live owner would
+-- let a claim make a new one, a second owner beside the first; and one
+-- whose owner then dies stays for a takeover (Abandoned, the same
+-- operation ID) as long after its lease as a record never renewed would.
+local moved, ttl = renewed - tonumber(deadline), redis.call('PTTL', rec)
+if moved > 0 and ttl >= 0 then
+  redis.call('PEXPIRE', rec, string.format('%d', math.max(ttl + moved, lease)))
 end
-redis.call('ZADD', KEYS[2], deadline, rec)
+redis.call('ZADD', KEYS[2], renewedText, rec)
 return 1

@@ -125,12 +125,15 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 			expires_at = now() + $5 * interval '1 microsecond' WHERE ` + owned + ` AND lease_until > clock_timestamp()`,
 		releaseSQL: `UPDATE ` + t + ` SET state = 'released' WHERE ` + owned,
 		forgetSQL:  `DELETE FROM ` + t + ` WHERE ` + owned,
-		// A record never expires under a live lease: an owner that renews
-		// past the record's retention keeps the record while it runs, rather
-		// than lose it to a claim that would make a new record, and a second
-		// owner, beside it. Abandon (a lease of 0) leaves expires_at as is.
+		// The record's expiry moves as far as its lease does, and never
+		// comes before the lease's end: a record that expired under a live
+		// owner would let a claim make a new one, a second owner beside the
+		// first; and one whose owner then dies stays for a takeover as long
+		// after its lease as a record never renewed would. Abandon (a lease
+		// of 0) moves neither back. SET reads the row as it was.
 		heartbeatSQL: `UPDATE ` + t + ` SET lease_until = now() + $4 * interval '1 microsecond',
-			expires_at = greatest(expires_at, now() + $4 * interval '1 microsecond') WHERE ` + owned,
+			expires_at = greatest(expires_at + greatest(now() + $4 * interval '1 microsecond' - lease_until, interval '0'),
+				now() + $4 * interval '1 microsecond') WHERE ` + owned,
 		// The partial index on lease_until holds the records in flight only,
 		// so the scan's cost follows them, not every record kept. Records
 		// past retention still in it (until DeleteExpired) are filtered out.
