@@ -100,12 +100,7 @@ func TestListenerSilenceSendsNoCancelRequests(t *testing.T) {
 		return &pgconn.CancelRequestContextWatcherHandler{Conn: c, DeadlineDelay: time.Second}
 	}
 	cfg.MinConns = 0
-	pool, err := pgxpool.NewWithConfig(t.Context(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	s := postgres.New(pool, postgres.Options{})
-	t.Cleanup(s.Close)
-	require.NoError(t, s.Migrate(t.Context()))
+	s, _ := migratedStore(t, cfg)
 
 	sub, err := s.Subscribe(t.Context(), key("idle"))
 	require.NoError(t, err)

@@ -22,12 +22,9 @@ import (
 // the new instance migrates.
 func TestMigrateDoesNotStallClaims(t *testing.T) {
 	pg := testserver.StartPostgres(t)
-	pool, err := pgxpool.New(t.Context(), pg.DSN)
+	cfg, err := pgxpool.ParseConfig(pg.DSN)
 	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	s := postgres.New(pool, postgres.Options{})
-	t.Cleanup(s.Close)
-	require.NoError(t, s.Migrate(t.Context()))
+	s, pool := migratedStore(t, cfg)
 	ctx := t.Context()
 
 	// A business transaction that completed its record and has not committed yet.
@@ -74,12 +71,7 @@ func TestMigrateUnderSteadyLongTransactions(t *testing.T) {
 	cfg, err := pgxpool.ParseConfig(pg.DSN)
 	require.NoError(t, err)
 	cfg.MaxConns = 16
-	pool, err := pgxpool.NewWithConfig(t.Context(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	s := postgres.New(pool, postgres.Options{})
-	t.Cleanup(s.Close)
-	require.NoError(t, s.Migrate(t.Context()))
+	s, pool := migratedStore(t, cfg)
 
 	ctx, stop := context.WithCancel(t.Context())
 	var wg sync.WaitGroup
@@ -114,4 +106,17 @@ func TestMigrateUnderSteadyLongTransactions(t *testing.T) {
 	start := time.Now()
 	err = other.Migrate(mctx)
 	require.NoError(t, err, "Migrate of the up-to-date table under steady traffic (after %v)", time.Since(start).Round(time.Millisecond))
+}
+
+// migratedStore returns a Store with default Options on a pool made from
+// cfg, its schema migrated, both closed when t ends.
+func migratedStore(t *testing.T, cfg *pgxpool.Config) (*postgres.Store, *pgxpool.Pool) {
+	t.Helper()
+	pool, err := pgxpool.NewWithConfig(t.Context(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	s := postgres.New(pool, postgres.Options{})
+	t.Cleanup(s.Close)
+	require.NoError(t, s.Migrate(t.Context()))
+	return s, pool
 }
