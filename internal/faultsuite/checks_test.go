@@ -19,7 +19,7 @@ func TestChecksCatchBrokenStores(t *testing.T) {
 		store  idempotency.Store
 		caught func(*tally) int
 	}{
-		{"leases judged by a clock four times too fast", idempotency.NewMemoryStore(idempotency.MemoryOptions{Now: fastClock(4)}),
+		{"leases judged by a clock eight times too fast", idempotency.NewMemoryStore(idempotency.MemoryOptions{Now: fastClock(8)}),
 			func(tl *tally) int { return tl.doubles }},
 		{"completions released instead of kept", losing{idempotency.NewMemoryStore(idempotency.MemoryOptions{})},
 			func(tl *tally) int { return tl.lost }},
