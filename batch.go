@@ -149,14 +149,13 @@ func (b *batcher) sendBatch(batch []*batchCall) {
 		}
 	}
 	defer func() {
-		failure := errors.New("idempotency: the pipeline carrying this call failed")
 		p := recover()
-		if p != nil {
-			failure = fmt.Errorf("idempotency: the pipeline carrying this call panicked: %v", p)
-		}
 		for _, c := range live {
-			if c.cmd == nil || p != nil {
-				c.cmd = failedCmd(failure)
+			switch {
+			case p != nil:
+				c.cmd = failedCmd(fmt.Errorf("idempotency: the pipeline carrying this call panicked: %v", p))
+			case c.cmd == nil:
+				c.cmd = failedCmd(errors.New("idempotency: the pipeline carrying this call failed"))
 			}
 		}
 		for _, c := range batch {

@@ -52,8 +52,7 @@ func requestFingerprint(r *http.Request, body []byte, headers []string) Fingerpr
 	// without one keeps the fingerprint it had before the query counted:
 	// its fields by name, as a form body's (r.FormValue reads both alike).
 	if r.URL.RawQuery != "" {
-		h.buf[0] = 'q'
-		h.h.Write(h.buf[:1])
+		h.tag('q')
 		h.body([]byte(r.URL.RawQuery), canonicalQuery)
 	}
 	return h.sum()
@@ -165,9 +164,13 @@ func (h *hasher) field(s string) {
 
 // tagged starts a body in form f, n long.
 func (h *hasher) tagged(f form, n int) {
-	h.buf[0] = byte(f)
-	h.h.Write(h.buf[:1])
+	h.tag(byte(f))
 	h.len(n)
+}
+
+func (h *hasher) tag(b byte) {
+	h.buf[0] = b
+	h.h.Write(h.buf[:1])
 }
 
 func (h *hasher) sum() (f Fingerprint) {

@@ -244,7 +244,7 @@ func TestSilentRedisEndsTheCompletionOnTime(t *testing.T) {
 			client := redis.NewClient(&c.opts)
 			t.Cleanup(func() { client.Close() })
 			s := newRedisStore(t, client)
-			assert.Equal(t, c.honours, s.callsEndByDeadline())
+			assert.Equal(t, c.honours, s.endsByDeadline)
 			g := New(s, Options{Lease: lease})
 			done := make(chan error, 1)
 			sent := time.Now()

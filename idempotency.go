@@ -237,7 +237,8 @@ type Guard struct {
 	waiters chan struct{} // a semaphore of Options.MaxWaiters slots
 	owners  atomic.Int64  // owners between own and close: operations running here
 	phases  PhaseObserver // Options.Observer, when it traces phases
-	// callsEndByDeadline: the store is a deadlineBound one that says so.
+	// callsEndByDeadline: every call of the store returns by its context's
+	// deadline (see New), so applyWithin calls it on the caller's goroutine.
 	callsEndByDeadline bool
 }
 
@@ -254,12 +255,17 @@ func New(store Store, opts Options) *Guard {
 	opts = opts.withDefaults()
 	g := &Guard{store: store, opts: opts, waiters: make(chan struct{}, opts.MaxWaiters)}
 	g.phases, _ = opts.Observer.(PhaseObserver)
-	// Only the store itself, not a type that embeds it: an embedding type
-	// inherits callsEndByDeadline along with the methods it may replace
-	// with ones that do not end by their deadline.
-	switch b := store.(type) {
-	case *MemoryStore, *RedisStore:
-		g.callsEndByDeadline = b.(deadlineBound).callsEndByDeadline()
+	// Only this package's stores can vouch that every call returns by its
+	// context's deadline: MemoryStore waits for nothing but its lock, and a
+	// RedisStore knows its client's settings (go-redis without
+	// ContextTimeoutEnabled holds a call on a silent connection for its own
+	// timeouts). The concrete types only: a type embedding one may replace
+	// the very calls they vouch for.
+	switch s := store.(type) {
+	case *MemoryStore:
+		g.callsEndByDeadline = true
+	case *RedisStore:
+		g.callsEndByDeadline = s.endsByDeadline
 	}
 	return g
 }

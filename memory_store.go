@@ -66,9 +66,6 @@ func NewMemoryStore(opts MemoryOptions) *MemoryStore {
 	return &MemoryStore{opts: opts, records: make(map[Key]*memRecord)}
 }
 
-// callsEndByDeadline: no call waits for anything but the store's lock.
-func (s *MemoryStore) callsEndByDeadline() bool { return true }
-
 // Claim implements Store.
 func (s *MemoryStore) Claim(_ context.Context, req ClaimRequest) (Claim, error) {
 	s.mu.Lock()
@@ -152,12 +149,8 @@ func (s *MemoryStore) Abandon(_ context.Context, k Key, token uint64) error {
 	return s.renew(k, token, 0)
 }
 
-// renew sets the lease of the record owned by token to end lease from now.
-// The record's expiry moves as far as its lease does, and never comes
-// before the lease's end: a record that expired under a live owner would
-// let a claim make a new one, a second owner beside the first; and one
-// whose owner then dies stays for a takeover as long after its lease as a
-// record never renewed would.
+// renew sets the lease of the record owned by token to end lease from now;
+// the expiry moves with it, as Store.Heartbeat says.
 func (s *MemoryStore) renew(k Key, token uint64, lease time.Duration) error {
 	return s.owned(k, token, func(r *memRecord, now time.Time) {
 		renewed := now.Add(lease)

@@ -302,8 +302,8 @@ func (o *owner) awaitRenewal(full bool) {
 
 // applyWithin is apply, returning by ctx's deadline whether or not the
 // store has answered. A store of this package whose calls end by their
-// context's deadline (see deadlineBound) is called on the caller's
-// goroutine; any other on a goroutine of its own, which the caller stops
+// context's deadline (see New) is called on the caller's goroutine; any
+// other on a goroutine of its own, which the caller stops
 // waiting for at the deadline. The first spares each operation a goroutine
 // and the hand-over of its result, which an idle machine pays in wake-ups.
 func (g *Guard) applyWithin(ctx context.Context, k Key, token uint64, resp Response, d Disposition) error {

@@ -232,8 +232,6 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 	return s, nil
 }
 
-func (s *RedisStore) callsEndByDeadline() bool { return s.endsByDeadline }
-
 // Close releases the store's pub/sub connections; it does not close the
 // client. Waiters still waiting fall back to re-reading on a timer.
 func (s *RedisStore) Close() error { return s.waiters.close() }

@@ -67,7 +67,7 @@ func TestRedisStoreMode(t *testing.T) {
 				require.NoError(t, err)
 				defer s.Close()
 				assert.Equal(t, tc.publish, s.publish)
-				assert.Equal(t, honours && tc.bound, s.callsEndByDeadline())
+				assert.Equal(t, honours && tc.bound, s.endsByDeadline)
 			})
 		}
 	}

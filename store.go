@@ -55,7 +55,9 @@ type Store interface {
 	// now, if token is the current owner's (ErrFenced otherwise). It moves
 	// the record's expiry as far as it moves the lease, and never to before
 	// the lease's end: an owner that runs past the retention keeps its
-	// record, and if it then dies the record is abandoned, as any other.
+	// record (expired, a claim would make a new one and a second owner), and
+	// if it then dies the record is abandoned as any other, for as long
+	// after its lease as a record never renewed.
 	Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error
 	// Abandon gives the current owner's lease up without settling the
 	// record, if token is the current owner's (ErrFenced otherwise): it
@@ -153,13 +155,3 @@ func oldestFirst(due []dueRecord, limit int) []AbandonedRecord {
 	}
 	return out
 }
-
-// deadlineBound is implemented by the stores of this package that can tell
-// whether their every call returns by its context's deadline. A client may
-// not: go-redis without ContextTimeoutEnabled holds a call on a silent
-// connection for its own timeouts. A Guard waits for such a store's calls on
-// the caller's goroutine; for any other store, it stops waiting at the
-// deadline and leaves the call to end on a goroutine of its own. New asks
-// only a *MemoryStore or *RedisStore itself: a type embedding one has the
-// method too, but may replace the very calls it vouches for.
-type deadlineBound interface{ callsEndByDeadline() bool }

@@ -12,11 +12,7 @@ local lease = tonumber(ARGV[2])
 local renewed = now() + lease
 local renewedText = string.format('%d', renewed)
 redis.call('SET', rec, encode(IN_FLIGHT, fingerprint(v), op, renewedText, ARGV[1], attempt, abandoned, waited, claimer), 'KEEPTTL')
--- The record's expiry moves as far as its lease does, and never comes
--- before the lease's end: a record that expired under a live owner would
--- let a claim make a new one, a second owner beside the first; and one
--- whose owner then dies stays for a takeover (Abandoned, the same
--- operation ID) as long after its lease as a record never renewed would.
+-- The expiry moves with the lease, as Store.Heartbeat says.
 local moved, ttl = renewed - tonumber(deadline), redis.call('PTTL', rec)
 if moved > 0 and ttl >= 0 then
   redis.call('PEXPIRE', rec, string.format('%d', math.max(ttl + moved, lease)))

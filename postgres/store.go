@@ -111,6 +111,8 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 	t := n.Table
 	// A record is owned by a token while it is in flight and not expired.
 	const owned = `scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress' AND expires_at > now()`
+	// A renewed lease's end: $4 is the lease in microseconds.
+	const renewed = `now() + $4 * interval '1 microsecond'`
 	return &Store{
 		pool: pool,
 		opts: o,
@@ -125,15 +127,11 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 			expires_at = now() + $5 * interval '1 microsecond' WHERE ` + owned + ` AND lease_until > clock_timestamp()`,
 		releaseSQL: `UPDATE ` + t + ` SET state = 'released' WHERE ` + owned,
 		forgetSQL:  `DELETE FROM ` + t + ` WHERE ` + owned,
-		// The record's expiry moves as far as its lease does, and never
-		// comes before the lease's end: a record that expired under a live
-		// owner would let a claim make a new one, a second owner beside the
-		// first; and one whose owner then dies stays for a takeover as long
-		// after its lease as a record never renewed would. Abandon (a lease
-		// of 0) moves neither back. SET reads the row as it was.
-		heartbeatSQL: `UPDATE ` + t + ` SET lease_until = now() + $4 * interval '1 microsecond',
-			expires_at = greatest(expires_at + greatest(now() + $4 * interval '1 microsecond' - lease_until, interval '0'),
-				now() + $4 * interval '1 microsecond') WHERE ` + owned,
+		// The expiry moves with the lease, as Store.Heartbeat says; SET
+		// reads the row as it was.
+		heartbeatSQL: `UPDATE ` + t + ` SET lease_until = ` + renewed + `,
+			expires_at = greatest(expires_at + greatest(` + renewed + ` - lease_until, interval '0'), ` + renewed + `)
+			WHERE ` + owned,
 		// The partial index on lease_until holds the records in flight only,
 		// so the scan's cost follows them, not every record kept. Records
 		// past retention still in it (until DeleteExpired) are filtered out.
@@ -218,9 +216,10 @@ const (
 // migrate runs the schema that tmpl renders, as Migrate describes, trying
 // again after a lock timeout until ctx is done.
 func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
-	delay, lockTimeout := migrateLockTimeout, migrateLockTimeout
+	// Each attempt waits as long for its locks as the pause before it.
+	wait := migrateLockTimeout
 	for {
-		err := s.migrateOnce(ctx, tmpl, lockTimeout)
+		err := s.migrateOnce(ctx, tmpl, wait)
 		var pgErr *pgconn.PgError
 		if !errors.As(err, &pgErr) || pgErr.Code != "55P03" { // lock_not_available
 			return err
@@ -228,10 +227,9 @@ func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
 		select {
 		case <-ctx.Done():
 			return storeerr.Unavailable("postgres migrate", errors.Join(err, context.Cause(ctx)))
-		case <-time.After(delay):
+		case <-time.After(wait):
 		}
-		delay = min(2*delay, 2*time.Second)
-		lockTimeout = min(2*lockTimeout, maxMigrateLockTimeout)
+		wait = min(2*wait, maxMigrateLockTimeout)
 	}
 }
 
