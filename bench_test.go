@@ -132,7 +132,7 @@ func BenchmarkRedisNewOperation(b *testing.B) {
 // that writes benchResponse, and a function serving one request under key.
 func benchMiddleware() func(key string) *httptest.ResponseRecorder {
 	resp := benchResponse()
-	h := New(NewMemoryStore(MemoryOptions{}), Options{}).Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	h := New(NewMemoryStore(MemoryOptions{}), Options{}).Middleware(MiddlewareOptions{Scope: SingleTenant})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		for name, vs := range resp.Header {
 			w.Header()[name] = vs
 		}

@@ -31,7 +31,7 @@ func TestOperationOutlivesClient(t *testing.T) {
 				ended := make(chan error, 2) // the handler's context's cause when it returned
 				g := New(newStore(t), Options{CancelWithCaller: withCaller})
 				clientGone := make(chan (<-chan struct{}), 2) // each request's own net/http context
-				guarded := g.Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				guarded := g.Middleware(MiddlewareOptions{Scope: SingleTenant})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 					n := runs.Add(1)
 					started <- struct{}{}
 					if n == 1 {

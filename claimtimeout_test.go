@@ -129,7 +129,7 @@ func TestClaimTimeoutSilentRedis(t *testing.T) {
 	t.Cleanup(func() { c.Close() })
 	g := New(newRedisStore(t, c), Options{ClaimTimeout: timeout})
 	runs := 0
-	h := g.Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	h := g.Middleware(MiddlewareOptions{Scope: SingleTenant})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		runs++
 		w.WriteHeader(http.StatusCreated)
 	}))

@@ -83,7 +83,9 @@ const discardLimit = 4 << 10
 // base32 alphabet (26 characters today). Every attempt carries that same
 // key. Another request is passed to Base once, untouched: no key, no retry.
 // A caller that also retries on its own, across RoundTrips (a job run again
-// tomorrow), sets the key itself, so that all its attempts share it.
+// tomorrow), sets the key itself, so that all its attempts share it. A key
+// field that is present but empty, malformed or repeated fails RoundTrip
+// with ErrInvalidKey before anything is sent.
 //
 // An attempt is retried, up to Retry.MaxAttempts attempts in all, when:
 //   - Base returned an error and the request's context has not ended (a
@@ -126,6 +128,25 @@ type Transport struct {
 	Retry RetryPolicy
 }
 
+// checkKeyField refuses the Idempotency-Key field values that a server
+// would refuse, an empty one among them: a request must never go out under
+// a key that cannot deduplicate it.
+func checkKeyField(values []string) error {
+	if len(values) > 1 {
+		return fmt.Errorf("%w: %s set %d times", ErrInvalidKey, HeaderKey, len(values))
+	}
+	for _, v := range values {
+		name, err := parseKey(v)
+		if err != nil {
+			return err
+		}
+		if err := (Key{Name: name}).Validate(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // RoundTrip sends req as one logical request, with retries if its method
 // is guarded, as Transport describes.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -137,6 +158,12 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	first := req.Clone(ctx)
 	if first.Header == nil {
 		first.Header = make(http.Header)
+	}
+	if err := checkKeyField(first.Header.Values(HeaderKey)); err != nil {
+		if req.Body != nil {
+			_ = req.Body.Close() // as a RoundTripper must, on errors too
+		}
+		return nil, err
 	}
 	if len(first.Header.Values(HeaderKey)) == 0 {
 		first.Header.Set(HeaderKey, crand.Text())

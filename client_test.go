@@ -316,6 +316,27 @@ func TestTransportKeepsCallerKey(t *testing.T) {
 	assert.Equal(t, `"order-7f3a"`, resp.Request.Header.Get(idempotency.HeaderKey))
 }
 
+// A key field the server would refuse (empty, malformed, repeated) fails
+// the request before anything is sent: an empty Idempotency-Key would reach
+// a server that does not check it as no key at all.
+func TestTransportRefusesInvalidKey(t *testing.T) {
+	s := serveScript(t, reply{status: 201})
+	tr := &idempotency.Transport{Base: newBase(t, false), Retry: fast}
+	for name, values := range map[string][]string{
+		"empty": {""}, "blank": {"  "}, "quoted empty": {`""`}, "space": {"a b"},
+		"unterminated": {`"abc`}, "repeated": {"a", "b"}, "too long": {strings.Repeat("k", idempotency.MaxKeyLength+1)},
+	} {
+		t.Run(name, func(t *testing.T) {
+			req := newRequest(t, http.MethodPost, s.url, "charge")
+			req.Header[idempotency.HeaderKey] = values
+			resp, err := tr.RoundTrip(req)
+			require.ErrorIs(t, err, idempotency.ErrInvalidKey)
+			assert.Nil(t, resp)
+		})
+	}
+	assert.Empty(t, s.attempts(), "nothing sent")
+}
+
 func TestTransportMakesOneKeyPerRequest(t *testing.T) {
 	s := serveScript(t, reply{status: 503}, reply{drop: true}, reply{status: 201}, reply{status: 503}, reply{status: 201})
 	tr := &idempotency.Transport{Base: newBase(t, false), Retry: fast}
@@ -527,7 +548,7 @@ type chargeAPI struct {
 func startChargeAPI(t *testing.T, store idempotency.Store) *chargeAPI {
 	t.Helper()
 	a := &chargeAPI{}
-	guarded := idempotency.New(store, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{})(
+	guarded := idempotency.New(store, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(
 		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			a.mu.Lock()
 			a.executions++
@@ -662,7 +683,7 @@ func TestTransportConcurrentCallersRedis(t *testing.T) {
 		store, err := idempotency.NewRedisStore(rdb.Client(), idempotency.RedisOptions{})
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = store.Close() })
-		handler := idempotency.New(store, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{})(
+		handler := idempotency.New(store, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(
 			http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				op, _ := io.ReadAll(r.Body)
 				mu.Lock()

@@ -14,7 +14,7 @@ func ExampleTransport() {
 	// A payments API built on the middleware.
 	guard := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
 	charges := 0
-	api := guard.Middleware(idempotency.MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	api := guard.Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		charges++
 		w.WriteHeader(http.StatusCreated)
 		fmt.Fprintf(w, `{"charge":"ch_%d"}`, charges)

@@ -50,7 +50,10 @@ func ExampleGuard_Middleware() {
 	mux.Handle("POST /charges", guarded(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		// A key derived from the operation, the same for every attempt,
 		// makes the payment provider deduplicate too.
-		_ = idempotency.DownstreamKey(r.Context(), "gateway")
+		if _, err := idempotency.DownstreamKey(r.Context(), "gateway"); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
 		charges++
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusCreated)
@@ -82,7 +85,7 @@ func ExampleGuard_Middleware() {
 	// 201 replayed="" application/json {"charge":1}
 	// 201 replayed="true" application/json {"charge":1}
 	// 201 replayed="true" application/json {"charge":1}
-	// 422 replayed="" application/problem+json {"type":"https://pkg.go.dev/github.com/idempotency-go/idempotency#ErrMismatch","title":"Idempotency-Key reused","status":422,"detail":"This Idempotency-Key was used before with a different request."}
+	// 422 replayed="" application/problem+json {"type":"https://github.com/idempotency-go/idempotency/blob/main/docs/errors.md#key-reused","title":"Idempotency-Key reused","status":422,"detail":"This Idempotency-Key was used before with a different request.","code":"key-reused"}
 	// charges: 1
 }
 
@@ -125,7 +128,11 @@ func ExampleGuard_Sweep() {
 		Lease: 50 * time.Millisecond,
 		// Ask the provider what became of an operation whose owner died.
 		Recover: func(ctx context.Context) (idempotency.Response, error) {
-			if charged(idempotency.DownstreamKey(ctx, "gateway")) {
+			key, err := idempotency.DownstreamKey(ctx, "gateway")
+			if err != nil {
+				return idempotency.Response{}, err
+			}
+			if charged(key) {
 				return idempotency.Response{Status: 201, Body: []byte(`{"charge":"ch_1"}`)}, nil
 			}
 			idempotency.SetDisposition(ctx, idempotency.Release) // never charged: let a retry run it

@@ -489,7 +489,7 @@ func TestEarlySettlementEndsTheHandlersLease(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			s := &faultStore{Store: NewMemoryStore(MemoryOptions{}), hook: c.hook}
 			done := make(chan error, 1)
-			h := New(s, Options{Lease: lease}).Middleware(MiddlewareOptions{MaxResponseBytes: 4})(
+			h := New(s, Options{Lease: lease}).Middleware(MiddlewareOptions{Scope: SingleTenant, MaxResponseBytes: 4})(
 				http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 					w.WriteHeader(c.status)
 					_, _ = io.WriteString(w, "more than four bytes")
@@ -521,7 +521,7 @@ func TestFailOpenRefusesLateClaim(t *testing.T) {
 		return nil
 	}}
 	ran := false
-	h := New(s, Options{Lease: lease}).Middleware(MiddlewareOptions{FailOpen: true})(
+	h := New(s, Options{Lease: lease}).Middleware(MiddlewareOptions{Scope: SingleTenant, FailOpen: true})(
 		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { ran = true }))
 	rr := httptest.NewRecorder()
 	h.ServeHTTP(rr, keyed("late", "{}"))

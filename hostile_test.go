@@ -58,7 +58,7 @@ func TestHostileRequests(t *testing.T) {
 	const maxBody = 64 << 10
 	var runs atomic.Int64
 	guard := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
-	h := guard.Middleware(idempotency.MiddlewareOptions{MaxRequestBytes: maxBody, MaxResponseBytes: maxBody})(
+	h := guard.Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant, MaxRequestBytes: maxBody, MaxResponseBytes: maxBody})(
 		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			runs.Add(1)
 			if r.Header.Get("X-Write") == "100MiB" {

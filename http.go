@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -30,10 +29,6 @@ const (
 	HeaderBodyOmitted = "Idempotent-Body-Omitted"
 )
 
-// problemTypes is the prefix of every problem type URI the middleware sends:
-// the anchor names the error (ErrMismatch) or the problem (problem-scope).
-const problemTypes = "https://pkg.go.dev/github.com/idempotency-go/idempotency#"
-
 // MiddlewareOptions configures Guard.Middleware. The zero value of every
 // field is its documented default.
 type MiddlewareOptions struct {
@@ -46,9 +41,10 @@ type MiddlewareOptions struct {
 	OptionalKey bool
 	// Scope returns the scope of the request's key: the account or tenant
 	// it belongs to, so that two tenants never share a record whatever keys
-	// their clients choose. An error answers 400 with the problem type
-	// #problem-scope, and the error's text is not sent. Default: "" for
-	// every request (one tenant).
+	// their clients choose. An error answers 400 (unknown-scope), and the
+	// error's text is not sent. Required: Middleware panics without it, so
+	// that no API shares keys between its tenants by omission; an API with
+	// a single tenant says so with SingleTenant.
 	Scope func(r *http.Request) (string, error)
 	// MaxRequestBytes bounds the request body, which is read whole before
 	// the handler runs to fingerprint it. A larger body answers 413 and
@@ -82,14 +78,12 @@ type MiddlewareOptions struct {
 	// (store unavailable, outcome not stored), in whole seconds rounded
 	// up, at least 1. Default 1s.
 	RetryAfter time.Duration
-	// ErrorBody, when set, writes the body of every error answer in the
-	// API's own error format: given the request and the problem, it returns
-	// the body and its Content-Type (sniffed, as net/http does, when
-	// empty). The status, Retry-After and
-	// Cache-Control: no-store stay the middleware's, so clients and
-	// proxies read them as they read the default. Default nil: the problem
-	// as application/problem+json.
-	ErrorBody func(r *http.Request, p Problem) (contentType string, body []byte)
+	// Errors writes every error answer: its status, Content-Type and body,
+	// from the Problem. Cache-Control: no-store and, with 409 and 503,
+	// Retry-After are set before it is called. Default ProblemDetails
+	// (RFC 9457); StripeErrors answers as Stripe's API does, for clients
+	// that use Stripe's SDKs.
+	Errors func(w http.ResponseWriter, r *http.Request, p Problem)
 }
 
 func (o MiddlewareOptions) withDefaults() MiddlewareOptions {
@@ -98,8 +92,8 @@ func (o MiddlewareOptions) withDefaults() MiddlewareOptions {
 	}
 	o.Methods = slices.Clone(o.Methods)
 	o.FingerprintHeaders = slices.Clone(o.FingerprintHeaders)
-	if o.Scope == nil {
-		o.Scope = func(*http.Request) (string, error) { return "", nil }
+	if o.Errors == nil {
+		o.Errors = ProblemDetails
 	}
 	if o.MaxRequestBytes <= 0 {
 		o.MaxRequestBytes = 1 << 20
@@ -170,29 +164,37 @@ func DefaultDisposition(status int) Disposition {
 // Flush does nothing until the outcome is stored, and Hijack fails. If the
 // handler panics, the key is released before the panic goes on.
 //
-// Errors are RFC 9457 problem details (application/problem+json, or the
-// API's own format with MiddlewareOptions.ErrorBody; always with
-// Cache-Control: no-store), each with its own Problem type, the package
-// documentation URL with one of these anchors:
+// Errors are RFC 9457 problem details (application/problem+json), or the
+// format MiddlewareOptions.Errors writes, always with Cache-Control:
+// no-store. Each Problem has a Code, and a Type that is ProblemTypes + Code:
 //
-//	#problem-missing-key      400  no Idempotency-Key and it is required
-//	#problem-key-repeated     400  Idempotency-Key sent more than once
-//	#ErrInvalidKey            400  key not 1..255 visible ASCII, or a malformed sf-string
-//	#problem-scope            400  Scope failed
-//	#problem-body-unreadable  400  the request body could not be read
-//	#problem-body-too-large   413  request body over MaxRequestBytes
-//	#ErrMismatch              422  key used before with a different request
-//	#ErrInFlight              409  original still running after the wait; Retry-After
-//	#ErrFenced                503  ownership lost before the outcome was stored; Retry-After
-//	#ErrUnavailable           503  the store failed; Retry-After
-//	#problem-client-gone      499  the client went away before the answer (no one reads it)
+//	missing-key           400  no Idempotency-Key and it is required
+//	repeated-key          400  Idempotency-Key sent more than once
+//	invalid-key           400  key not 1..255 visible ASCII, or a malformed sf-string
+//	unknown-scope         400  Scope failed
+//	unreadable-body       400  the request body could not be read
+//	body-too-large        413  request body over MaxRequestBytes
+//	key-reused            422  key used before with a different request
+//	in-flight             409  original still running after the wait; Retry-After
+//	outcome-not-recorded  503  ownership lost before the outcome was stored; Retry-After
+//	store-unavailable     503  the store failed; Retry-After
+//	client-gone           499  the client went away before the answer (no one reads it)
+//
+// Middleware panics when o.Scope is nil.
 func (g *Guard) Middleware(o MiddlewareOptions) func(http.Handler) http.Handler {
+	if o.Scope == nil {
+		panic("idempotency: MiddlewareOptions.Scope is nil: name the account a key belongs to, or use SingleTenant")
+	}
 	o = o.withDefaults()
 	secs := max(1, int64(math.Ceil(o.RetryAfter.Seconds())))
 	return func(next http.Handler) http.Handler {
 		return &guarded{g: g, o: o, next: next, retryAfter: strconv.FormatInt(secs, 10)}
 	}
 }
+
+// SingleTenant is the MiddlewareOptions.Scope of an API with one tenant:
+// every request's key is in the same scope, "".
+func SingleTenant(*http.Request) (string, error) { return "", nil }
 
 var (
 	errKeyMissing     = errors.New("idempotency: Idempotency-Key header missing")
@@ -606,81 +608,4 @@ func sendHead(w http.ResponseWriter, status int, h http.Header, replayed bool) {
 		dst.Set(HeaderReplayed, "true")
 	}
 	w.WriteHeader(status)
-}
-
-// Problem is an error answer of the middleware, as an RFC 9457 problem
-// details object: Type is the package documentation URL with the anchor
-// that names the problem (see Guard.Middleware for the list), and Status
-// the HTTP status it is sent with. Detail never holds a store's error text,
-// which may name internal hosts.
-type Problem struct {
-	Type   string `json:"type"`
-	Title  string `json:"title"`
-	Status int    `json:"status"`
-	Detail string `json:"detail"`
-}
-
-// problemFor describes err to the client. Store failures are described
-// without their text.
-func problemFor(err error) Problem {
-	p := func(anchor string, status int, title, detail string) Problem {
-		return Problem{Type: problemTypes + anchor, Title: title, Status: status, Detail: detail}
-	}
-	var tooLarge bodyTooLargeError
-	switch {
-	case errors.Is(err, errKeyMissing):
-		return p("problem-missing-key", http.StatusBadRequest, "Idempotency-Key required",
-			"This request must carry an Idempotency-Key header.")
-	case errors.Is(err, errKeyRepeated):
-		return p("problem-key-repeated", http.StatusBadRequest, "Idempotency-Key repeated",
-			"The Idempotency-Key header must be sent exactly once.")
-	case errors.Is(err, ErrInvalidKey):
-		return p("ErrInvalidKey", http.StatusBadRequest, "Invalid Idempotency-Key", err.Error())
-	case errors.Is(err, errScope):
-		return p("problem-scope", http.StatusBadRequest, "Request scope unknown",
-			"The request does not identify the account its Idempotency-Key belongs to.")
-	case errors.Is(err, errBodyUnreadable):
-		return p("problem-body-unreadable", http.StatusBadRequest, "Request body unreadable",
-			"The request body could not be read.")
-	case errors.As(err, &tooLarge):
-		return p("problem-body-too-large", http.StatusRequestEntityTooLarge, "Request body too large",
-			fmt.Sprintf("The request body exceeds %d bytes.", tooLarge.limit))
-	case errors.Is(err, errClientGone):
-		return p("problem-client-gone", statusClientClosedRequest, "Client closed request",
-			"The client went away before the answer.")
-	case errors.Is(err, ErrMismatch):
-		return p("ErrMismatch", http.StatusUnprocessableEntity, "Idempotency-Key reused",
-			"This Idempotency-Key was used before with a different request.")
-	case errors.Is(err, ErrInFlight):
-		return p("ErrInFlight", http.StatusConflict, "Request in progress",
-			"A request with this Idempotency-Key is still in progress; retry later with the same key.")
-	case errors.Is(err, ErrFenced):
-		return p("ErrFenced", http.StatusServiceUnavailable, "Outcome not recorded",
-			"This attempt lost its hold on the Idempotency-Key before its outcome was recorded; retry with the same key.")
-	}
-	return p("ErrUnavailable", http.StatusServiceUnavailable, "Idempotency store unavailable",
-		"The outcome of this request could not be looked up or recorded; retry later with the same key.")
-}
-
-// fail answers err as a problem, in the body ErrorBody shapes. 409 and 503
-// say when to retry.
-func (h *guarded) fail(w http.ResponseWriter, r *http.Request, err error) {
-	p := problemFor(err)
-	contentType := "application/problem+json"
-	var body []byte
-	if h.o.ErrorBody != nil {
-		if contentType, body = h.o.ErrorBody(r, p); contentType == "" {
-			contentType = http.DetectContentType(body)
-		}
-	} else {
-		body, _ = json.Marshal(p) // strings and an int: cannot fail
-	}
-	hd := w.Header()
-	hd.Set("Content-Type", contentType)
-	hd.Set("Cache-Control", "no-store")
-	if p.Status == http.StatusConflict || p.Status == http.StatusServiceUnavailable {
-		hd.Set("Retry-After", h.retryAfter)
-	}
-	w.WriteHeader(p.Status)
-	_, _ = w.Write(body)
 }

@@ -60,6 +60,10 @@ var (
 	// ErrInvalidKey: the idempotency key is empty, longer than MaxKeyLength,
 	// or holds a byte that is not visible ASCII.
 	ErrInvalidKey = errors.New("idempotency: invalid key")
+	// ErrNoOperation: the context carries no operation of a Guard (it does
+	// not come from Guard.Do or the middleware), so there is no key, token
+	// or operation ID to act under.
+	ErrNoOperation = errors.New("idempotency: the context carries no operation")
 )
 
 // MaxKeyLength is the longest idempotency key accepted, in bytes.
@@ -598,14 +602,16 @@ func FromContext(ctx context.Context) (*Info, bool) {
 // send to a downstream service (a payment provider) under the given name. It
 // is the same for every attempt of the operation, so a takeover that repeats
 // the downstream call gets the provider's original result instead of a
-// second effect. It returns "" when ctx carries no operation.
-func DownstreamKey(ctx context.Context, name string) string {
+// second effect. It fails with ErrNoOperation when ctx carries no operation
+// (a handler mounted without the middleware, say): a call made without the
+// key would not be deduplicated.
+func DownstreamKey(ctx context.Context, name string) (string, error) {
 	i, ok := FromContext(ctx)
 	if !ok {
-		return ""
+		return "", fmt.Errorf("%w: no downstream key %q", ErrNoOperation, name)
 	}
 	sum := sha256.Sum256([]byte(i.OperationID + "\x00" + name))
-	return "idem_" + b32.EncodeToString(sum[:20])
+	return "idem_" + b32.EncodeToString(sum[:20]), nil
 }
 
 // SetDisposition chooses what becomes of the record when the operation in

@@ -24,6 +24,26 @@ func TestNewOperationID(t *testing.T) {
 	}
 }
 
+// DownstreamKey outside an operation fails instead of handing out "", which
+// a provider would take for no key; inside, each name has a key of its own.
+func TestDownstreamKeyNeedsAnOperation(t *testing.T) {
+	_, err := DownstreamKey(context.Background(), "gateway")
+	require.ErrorIs(t, err, ErrNoOperation)
+	g := New(NewMemoryStore(MemoryOptions{}), Options{})
+	var keys []string
+	_, err = g.Do(context.Background(), Key{Name: "k"}, Fingerprint{}, func(ctx context.Context) (Response, error) {
+		for _, name := range []string{"gateway", "ledger"} {
+			k, err := DownstreamKey(ctx, name)
+			require.NoError(t, err)
+			keys = append(keys, k)
+		}
+		return Response{}, nil
+	})
+	require.NoError(t, err)
+	assert.NotEqual(t, keys[0], keys[1], "one key per name")
+	assert.Regexp(t, `^idem_[A-Z2-7]{32}$`, keys[0])
+}
+
 // Options.MaxWaiters bounds the duplicates that wait at once: past it a
 // duplicate fails with ErrInFlight at once, and those waiting still get the
 // original's answer. Guard.InFlight counts the owner and the waiter.

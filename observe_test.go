@@ -296,14 +296,14 @@ func TestObserverMiddleware(t *testing.T) {
 		return nil
 	}}
 	mux := http.NewServeMux()
-	mux.Handle("POST /charges", New(fs, Options{Observer: ev}).Middleware(MiddlewareOptions{FailOpen: true})(
+	mux.Handle("POST /charges", New(fs, Options{Observer: ev}).Middleware(MiddlewareOptions{Scope: SingleTenant, FailOpen: true})(
 		http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(201) })))
 	rr := serve(mux, keyed("k", `{}`))
 	assert.Equal(t, 201, rr.Code)
 
 	ok := NewMemoryStore(MemoryOptions{})
 	mux2 := http.NewServeMux()
-	mux2.Handle("POST /charges", New(ok, Options{Observer: ev}).Middleware(MiddlewareOptions{})(
+	mux2.Handle("POST /charges", New(ok, Options{Observer: ev}).Middleware(MiddlewareOptions{Scope: SingleTenant})(
 		http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(201) })))
 	serve(mux2, keyed("k", `{}`))
 	serve(mux2, keyed("k", `{}`))

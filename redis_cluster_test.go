@@ -72,7 +72,7 @@ func clusterDuplicates(t *testing.T, cl *testserver.Cluster) {
 	counted := &subscribeCounter{Store: s, want: int64(len(keys) * (dups - 1)), all: allWaiting}
 	var runs sync.Map // key name -> *atomic.Int64
 	h := New(counted, Options{RecheckInterval: time.Hour, WaitTimeout: 20 * time.Second}).
-		Middleware(MiddlewareOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		Middleware(MiddlewareOptions{Scope: SingleTenant})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		n, _ := runs.LoadOrStore(r.Header.Get(HeaderKey), new(atomic.Int64))
 		n.(*atomic.Int64).Add(1)
 		<-release

@@ -51,7 +51,8 @@ func TestRecoverSettlesAbandonedOperation(t *testing.T) {
 		g := idempotency.New(h.Store, idempotency.Options{Lease: testLease, Recover: func(ctx context.Context) (idempotency.Response, error) {
 			info, _ := idempotency.FromContext(ctx)
 			seen = fmt.Sprintf("%s attempt %d abandoned %v takeover %v", info.OperationID, info.Attempt, info.Abandoned, info.Takeover)
-			return idempotency.Response{Status: 201, Body: []byte("recovered " + idempotency.DownstreamKey(ctx, "gateway"))}, nil
+			dk, err := idempotency.DownstreamKey(ctx, "gateway")
+			return idempotency.Response{Status: 201, Body: []byte("recovered " + dk)}, err
 		}})
 		k, fp := idempotency.Key{Name: "settle"}, idempotency.FingerprintOf("op", nil)
 		abandon(t, h, k, fp)
@@ -83,8 +84,9 @@ func downstreamKeyOf(t *testing.T, operationID, name string) string {
 	time.Sleep(2 * time.Millisecond)
 	var key string
 	_, err = idempotency.New(s, idempotency.Options{}).Do(context.Background(), idempotency.Key{Name: "k"}, idempotency.Fingerprint{}, func(ctx context.Context) (idempotency.Response, error) {
-		key = idempotency.DownstreamKey(ctx, name)
-		return idempotency.Response{}, nil
+		var err error
+		key, err = idempotency.DownstreamKey(ctx, name)
+		return idempotency.Response{}, err
 	})
 	require.NoError(t, err)
 	return key

@@ -186,7 +186,7 @@ func setup(ctx context.Context, cfg config, log io.Writer) (e *env, err error) {
 	mux.HandleFunc("/bare", handle)
 	mux.Handle("/one", e.setNXHandler(1))
 	mux.Handle("/two", e.setNXHandler(2))
-	mux.Handle("/guarded", e.redisGuard.Middleware(idempotency.MiddlewareOptions{})(http.HandlerFunc(handle)))
+	mux.Handle("/guarded", e.redisGuard.Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(http.HandlerFunc(handle)))
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = srv.Serve(l) }()
 	e.closers = append(e.closers, srv.Close)

@@ -223,7 +223,7 @@ func runCalls(t *testing.T, ctx context.Context, obs idempotency.Observer) []str
 
 	// 4: the middleware under a ServeMux pattern.
 	mux := http.NewServeMux()
-	mux.Handle("POST /v1/charges", guard.Middleware(idempotency.MiddlewareOptions{})(http.HandlerFunc(
+	mux.Handle("POST /v1/charges", guard.Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(http.HandlerFunc(
 		func(w http.ResponseWriter, r *http.Request) {
 			w.WriteHeader(http.StatusCreated)
 			_, _ = io.WriteString(w, `{"id":"ch_2"}`)
@@ -453,7 +453,7 @@ func runFailures(t *testing.T, ctx context.Context, obs idempotency.Observer) []
 
 	// 2: failed open.
 	mux := http.NewServeMux()
-	mux.Handle("POST /v1/charges", down.Middleware(idempotency.MiddlewareOptions{FailOpen: true})(http.HandlerFunc(
+	mux.Handle("POST /v1/charges", down.Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant, FailOpen: true})(http.HandlerFunc(
 		func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) })))
 	req := httptest.NewRequestWithContext(ctx, http.MethodPost, "/v1/charges", strings.NewReader(`{"amount":1}`))
 	req.Header.Set(idempotency.HeaderKey, "key-open-61fa")

@@ -62,7 +62,12 @@ func (a *api) createCharge(w http.ResponseWriter, r *http.Request) {
 	// key: every attempt at this operation, on any instance, sends the same
 	// one, so a takeover after a crash gets the original charge back
 	// instead of charging the card twice.
-	c, err := a.gateway.charge(ctx, idempotency.DownstreamKey(ctx, "gateway"), req)
+	key, err := idempotency.DownstreamKey(ctx, "gateway")
+	if err != nil {
+		http.Error(w, "charges are served through the idempotency middleware only", http.StatusInternalServerError)
+		return
+	}
+	c, err := a.gateway.charge(ctx, key, req)
 	if err != nil {
 		// A 5xx releases the key: the client's retry calls the gateway
 		// again, with the same downstream key.
@@ -94,7 +99,10 @@ func (a *api) createCharge(w http.ResponseWriter, r *http.Request) {
 // answer, so whether the card was charged is unknown to the service. The
 // gateway knows, under the operation's downstream key.
 func (a *api) recoverCharge(ctx context.Context) (idempotency.Response, error) {
-	key := idempotency.DownstreamKey(ctx, "gateway")
+	key, err := idempotency.DownstreamKey(ctx, "gateway")
+	if err != nil {
+		return idempotency.Response{}, err
+	}
 	c, charged, err := a.gateway.lookup(ctx, key)
 	if err != nil {
 		// Neither charging again nor answering is safe without the

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/internal/testserver"
 )
 
@@ -76,7 +77,7 @@ func TestMetrics(t *testing.T) {
 	busy := scrape(t, a.url)
 	dup, err := postCharge(a.url, "metered", "acct_1", chargeBody)
 	require.NoError(t, err)
-	assert.Equal(t, "https://pkg.go.dev/github.com/idempotency-go/idempotency#ErrInFlight", requireProblem(t, dup, http.StatusConflict))
+	assert.Equal(t, idempotency.ProblemTypes+"in-flight", requireProblem(t, dup, http.StatusConflict))
 	first := <-orig
 	require.NoError(t, first.err)
 	chargeOf(t, first.reply)

@@ -342,7 +342,7 @@ func TestContract(t *testing.T) {
 	t.Run("different request under a used key", func(t *testing.T) {
 		r, err := postCharge(p.url, "key-1", "acct_1", `{"amount": 4300, "currency": "usd", "source": "tok_visa"}`)
 		require.NoError(t, err)
-		assert.Equal(t, "https://pkg.go.dev/github.com/idempotency-go/idempotency#ErrMismatch", requireProblem(t, r, http.StatusUnprocessableEntity))
+		assert.Equal(t, idempotency.ProblemTypes+"key-reused", requireProblem(t, r, http.StatusUnprocessableEntity))
 	})
 	t.Run("the key belongs to its account", func(t *testing.T) {
 		r, err := postCharge(p.url, "key-1", "acct_2", chargeBody)
@@ -376,7 +376,7 @@ func TestContract(t *testing.T) {
 	t.Run("no key", func(t *testing.T) {
 		r, err := postCharge(p.url, "", "acct_1", chargeBody)
 		require.NoError(t, err)
-		assert.Equal(t, "https://pkg.go.dev/github.com/idempotency-go/idempotency#problem-missing-key", requireProblem(t, r, http.StatusBadRequest))
+		assert.Equal(t, idempotency.ProblemTypes+"missing-key", requireProblem(t, r, http.StatusBadRequest))
 	})
 	t.Run("reads", func(t *testing.T) {
 		ledger := getJSON[[]charge](t, p.url+"/v1/charges")
@@ -712,7 +712,7 @@ func TestRecoveryRunsUnchargedOperation(t *testing.T) {
 	t.Cleanup(func() { _ = store.Close() })
 	guard := idempotency.New(crashedOwner{store}, idempotency.Options{Lease: 500 * time.Millisecond})
 	accepted := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusAccepted) })
-	dead := httptest.NewServer(guard.Middleware(idempotency.MiddlewareOptions{})(accepted))
+	dead := httptest.NewServer(guard.Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(accepted))
 	t.Cleanup(dead.Close)
 	r, err := postCharge(dead.URL, "uncharged", "", chargeBody)
 	require.NoError(t, err)
@@ -767,7 +767,7 @@ func TestRecoveryWithoutAnAnswerWaits(t *testing.T) {
 
 	r, err := postCharge(b.url, "unknown", "", amountBody(100))
 	require.NoError(t, err)
-	assert.Equal(t, "https://pkg.go.dev/github.com/idempotency-go/idempotency#ErrInFlight", requireProblem(t, r, http.StatusConflict))
+	assert.Equal(t, idempotency.ProblemTypes+"in-flight", requireProblem(t, r, http.StatusConflict))
 	assert.Equal(t, "1", r.header.Get("Retry-After"))
 	assert.Regexp(t, `recover: idem_\S+: gateway: WRONGTYPE .*; left abandoned`, b.stderr())
 	requireLedgerEmpty(t, rs)
@@ -809,7 +809,7 @@ func TestStalledOwnerIsFencedOff(t *testing.T) {
 		t.Fatal("the stalled owner never answered after SIGCONT")
 	}
 	require.NoError(t, stale.err)
-	assert.Equal(t, "https://pkg.go.dev/github.com/idempotency-go/idempotency#ErrFenced",
+	assert.Equal(t, idempotency.ProblemTypes+"outcome-not-recorded",
 		requireProblem(t, stale.reply, http.StatusServiceUnavailable))
 
 	for _, in := range []*instance{a, b} {

@@ -130,7 +130,7 @@ const chargesPath = "/v1/charges"
 func TestRetryableHTTPRetriesStoreOutage(t *testing.T) {
 	r := testserver.StartRedis(t)
 	l := newLedger()
-	srv := serve(t, newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{})(l))
+	srv := serve(t, newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(l))
 	r.Stop(t)
 
 	rec := &retries{onBackoff: func(*http.Response) { r.Restart(t) }}
@@ -164,7 +164,7 @@ func TestRetryableHTTPRetriesFencedOwner(t *testing.T) {
 		<-r.Context().Done()
 		causes <- context.Cause(r.Context())
 	}
-	mw := idempotency.MiddlewareOptions{}
+	mw := idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant}
 	a := serve(t, newGuard(t, link.Addr(), o).Middleware(mw)(l))
 	t.Cleanup(link.Heal) // before a's store closes
 	b := serve(t, newGuard(t, r.Addr, o).Middleware(mw)(l))
@@ -212,10 +212,10 @@ func TestRetryableHTTPInFlightConflict(t *testing.T) {
 		close(started) // a second execution panics
 		<-held
 	}
-	a := serve(t, newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{})(l))
+	a := serve(t, newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(l))
 	t.Cleanup(release) // before a closes, which waits for its handlers
 	// b's duplicates do not wait for the original: they get 409 at once.
-	b := serve(t, newGuard(t, r.Addr, idempotency.Options{WaitTimeout: -1}).Middleware(idempotency.MiddlewareOptions{RetryAfter: 3 * time.Second})(l))
+	b := serve(t, newGuard(t, r.Addr, idempotency.Options{WaitTimeout: -1}).Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant, RetryAfter: 3 * time.Second})(l))
 
 	type result struct {
 		a   answer
@@ -268,7 +268,7 @@ func TestRetryableHTTPRetryAfterOn429(t *testing.T) {
 		}
 		l.ServeHTTP(w, r)
 	})
-	srv := serve(t, newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{})(h))
+	srv := serve(t, newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(h))
 
 	rec := &retries{}
 	ans, err := post(newRetryClient(rec), srv.URL+chargesPath, "limited-1")
@@ -296,7 +296,7 @@ func TestRetryableHTTPLostReply(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			l := newLedger()
 			var arr arrivals
-			srv := serve(t, arr.wrap(newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{OptionalKey: true})(l)))
+			srv := serve(t, arr.wrap(newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant, OptionalKey: true})(l)))
 			link := faultproxy.Start(t, srv.Listener.Addr().String())
 			link.ResetOnNextRequest(true)
 
@@ -326,7 +326,7 @@ func TestRetryableHTTPConcurrentDuplicates(t *testing.T) {
 	l := newLedger()
 	var links [2]*faultproxy.Proxy
 	for i := range links {
-		srv := serve(t, newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{})(l))
+		srv := serve(t, newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(l))
 		links[i] = faultproxy.Start(t, srv.Listener.Addr().String())
 	}
 	rec := &retries{}
@@ -409,7 +409,7 @@ func TestNetHTTPReplaysKeyedPost(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			l := newLedger()
 			var arr arrivals
-			srv := serve(t, arr.wrap(newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{OptionalKey: true})(l)))
+			srv := serve(t, arr.wrap(newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant, OptionalKey: true})(l)))
 			link := faultproxy.Start(t, srv.Listener.Addr().String())
 			c := &http.Client{Transport: http.DefaultTransport.(*http.Transport).Clone()}
 			t.Cleanup(c.CloseIdleConnections)

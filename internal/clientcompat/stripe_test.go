@@ -70,7 +70,7 @@ func TestStripeGoLostReply(t *testing.T) {
 	r := testserver.StartRedis(t)
 	l := newLedger()
 	var arr arrivals
-	srv := serve(t, arr.wrap(newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{})(refunds(l))))
+	srv := serve(t, arr.wrap(newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(refunds(l))))
 	link := faultproxy.Start(t, srv.Listener.Addr().String())
 	sc := newStripeClient("http://"+link.Addr(), stripe.DefaultMaxNetworkRetries)
 
@@ -135,7 +135,7 @@ func TestStripeGoRetriesInFlightConflict(t *testing.T) {
 		case <-time.After(10 * time.Second): // only a hang: the assertions fail
 		}
 	}
-	mw := idempotency.MiddlewareOptions{}
+	mw := idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant}
 	a := serve(t, newGuard(t, r.Addr, idempotency.Options{}).Middleware(mw)(refunds(l)))
 	var arr arrivals
 	// b's duplicates do not wait for the original: they get 409 at once.
@@ -176,7 +176,7 @@ func TestStripeGoKeyIsPerCall(t *testing.T) {
 	r := testserver.StartRedis(t)
 	l := newLedger()
 	var arr arrivals
-	srv := serve(t, arr.wrap(newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{})(refunds(l))))
+	srv := serve(t, arr.wrap(newGuard(t, r.Addr, idempotency.Options{}).Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(refunds(l))))
 	sc := newStripeClient(srv.URL, 0)
 	create := func(key string) *stripe.Refund {
 		refund, err := sc.V1Refunds.Create(context.Background(), refundParams(key))
