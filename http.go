@@ -342,10 +342,13 @@ func withBody(ctx context.Context, r *http.Request, body []byte) *http.Request {
 // A body too large to buffer is settled early instead (Info.settleEarly),
 // from inside the handler's Write, and then streamed.
 func (h *guarded) serve(w http.ResponseWriter, r *http.Request, t *callState, k Key, fp Fingerprint, body []byte) {
-	var rec *recorder // set once the handler runs: Do made this request the owner
+	var (
+		rec  *recorder // set once the handler runs: Do made this request the owner
+		info *Info     // the handler's
+	)
 	ctx, end := h.g.startPhase(r.Context(), PhaseCall, PhaseStart{Scope: k.Scope})
 	res, err := h.g.do(ctx, k, fp, func(ctx context.Context) (Response, error) {
-		info, _ := FromContext(ctx)
+		info, _ = FromContext(ctx)
 		rec = &recorder{w: w, header: make(http.Header), limit: h.o.MaxResponseBytes}
 		rec.settle = func(resp Response) error {
 			info.defaultTo(h.o.Disposition(resp.Status))
@@ -393,6 +396,11 @@ func (h *guarded) serve(w http.ResponseWriter, r *http.Request, t *callState, k 
 		// Settled early and streamed, or answered with a problem already.
 	case err != nil:
 		h.fail(w, r, err)
+	case info.completedOutside():
+		// The handler stored its outcome in its own transaction: the
+		// client gets exactly that, whatever the handler wrote.
+		sendHead(w, res.Response.Status, res.Response.Header, false)
+		_, _ = w.Write(res.Response.Body)
 	default:
 		rec.send()
 	}

@@ -64,6 +64,9 @@ var (
 	// not come from Guard.Do or the middleware), so there is no key, token
 	// or operation ID to act under.
 	ErrNoOperation = errors.New("idempotency: the context carries no operation")
+	// ErrForeignStore: a store was asked to complete an operation whose
+	// Guard keeps its records in another store. Nothing was stored.
+	ErrForeignStore = errors.New("idempotency: the operation's records are kept in another store")
 )
 
 // MaxKeyLength is the longest idempotency key accepted, in bytes.
@@ -572,10 +575,14 @@ type Info struct {
 	// DownstreamKey before acting again.
 	Abandoned bool
 
-	mu     sync.Mutex
-	set    bool // SetDisposition was called: the default no longer applies
-	chosen Disposition
-	early  func(Response) error // see settleEarly
+	owner *owner               // the attempt's hold on the record
+	early func(Response) error // see settleEarly
+
+	mu        sync.Mutex
+	set       bool // SetDisposition was called: the default no longer applies
+	chosen    Disposition
+	completed *Response // what CompleteOutside stored; nil until then
+	finishing bool      // a CompleteOutside is under way
 }
 
 // settleEarly settles the record with resp while the operation still runs,
@@ -628,6 +635,76 @@ func SetDisposition(ctx context.Context, d Disposition) bool {
 	i.set, i.chosen = true, d
 	i.mu.Unlock()
 	return true
+}
+
+// CompleteOutside is for a store that completes a record inside the
+// caller's own transaction, as the postgres package's Store.CompleteTx
+// does; an application calls that method, not this function. It has
+// complete store resp as the outcome of the operation in ctx, for the
+// record's key, under the attempt's fencing token, with the Guard's
+// retention, and fails without calling it when ctx carries no operation
+// (ErrNoOperation), when the operation's Guard keeps its records in a store
+// other than s (ErrForeignStore), when the lease has ended (ErrFenced), or
+// when the operation was already completed.
+//
+// Once complete succeeds, resp is the operation's outcome if the operation
+// then succeeds (it returns no error, and the disposition it ends with is
+// Keep, as for a handler that writes nothing): Do returns resp, the
+// middleware answers with it, and the Guard stores nothing more. An
+// operation that fails instead is given up as usual (its record released),
+// which the store refuses if the transaction committed: the caller gets
+// ErrFenced (a 503), and its retry replays what was committed.
+func CompleteOutside(ctx context.Context, s Store, resp Response, complete func(k Key, token uint64, retention time.Duration) error) error {
+	i, ok := FromContext(ctx)
+	if !ok || i.owner == nil {
+		return fmt.Errorf("%w to complete", ErrNoOperation)
+	}
+	o := i.owner
+	if s != o.g.store {
+		return ErrForeignStore
+	}
+	i.mu.Lock()
+	busy := i.completed != nil || i.finishing
+	i.finishing = !busy
+	i.mu.Unlock()
+	if busy {
+		return errors.New("idempotency: the operation was already completed")
+	}
+	var err error
+	if err = o.lostErr(); err == nil {
+		err = complete(o.k, o.c.Token, o.g.opts.Retention)
+	}
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	i.finishing = false
+	if err == nil {
+		i.completed = &resp
+	}
+	return err
+}
+
+// outcome is the response and disposition of an operation that returned
+// resp without an error, once its default disposition was chosen: the
+// response CompleteOutside stored, when the operation kept it.
+func (i *Info) outcome(resp Response) (Response, Disposition) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.keptCompletionLocked() {
+		return *i.completed, Settled
+	}
+	return resp, i.chosen
+}
+
+// completedOutside reports that the operation's outcome is the response
+// CompleteOutside stored.
+func (i *Info) completedOutside() bool {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.keptCompletionLocked()
+}
+
+func (i *Info) keptCompletionLocked() bool {
+	return i.completed != nil && (i.chosen == Keep || i.chosen == Settled)
 }
 
 // SetDefaultDisposition chooses d for the operation in ctx unless it chose

@@ -182,7 +182,7 @@ func (o *owner) recover() (Response, Disposition, error) {
 // before it returns (see Info.settleEarly).
 func (o *owner) call(f func(ctx context.Context) (Response, error), onPanic Disposition, early bool) (Response, Disposition, error) {
 	c := o.c
-	info := &Info{OperationID: c.OperationID, Attempt: c.Attempt, Token: c.Token, Takeover: c.Attempt > 1, Abandoned: c.Abandoned}
+	info := &Info{OperationID: c.OperationID, Attempt: c.Attempt, Token: c.Token, Takeover: c.Attempt > 1, Abandoned: c.Abandoned, owner: o}
 	settled := false
 	if early {
 		// Called on f's goroutine, before f returns: settled needs no lock.
@@ -218,7 +218,11 @@ func (o *owner) call(f func(ctx context.Context) (Response, error), onPanic Disp
 	if settled {
 		return resp, Settled, err
 	}
-	return resp, info.disposition(), err
+	if err != nil {
+		return resp, info.disposition(), err
+	}
+	resp, d := info.outcome(resp)
+	return resp, d, nil
 }
 
 // settle ends the lease and applies d to the record, unless the lease was

@@ -32,7 +32,7 @@ func TestMigrateDoesNotStallClaims(t *testing.T) {
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	require.NoError(t, s.CompleteTx(ctx, tx, key("busy"), busy.Token, okResponse, longRetention))
+	require.NoError(t, s.CompleteTxAs(ctx, tx, key("busy"), busy.Token, okResponse, longRetention))
 
 	// Without a migration, a claim of another key runs at once.
 	cctx, cancel := context.WithTimeout(ctx, time.Second)
@@ -90,7 +90,7 @@ func TestMigrateUnderSteadyLongTransactions(t *testing.T) {
 				if err != nil {
 					continue
 				}
-				_ = s.CompleteTx(ctx, tx, req.Key, c.Token, okResponse, longRetention)
+				_ = s.CompleteTxAs(ctx, tx, req.Key, c.Token, okResponse, longRetention)
 				time.Sleep(300 * time.Millisecond) // the business transaction's own work
 				_ = tx.Commit(context.WithoutCancel(ctx))
 			}

@@ -346,23 +346,38 @@ func (s *Store) Complete(ctx context.Context, k idempotency.Key, token uint64, r
 	return s.complete(ctx, s.pool, s.completeSQL, k, token, resp, retention)
 }
 
-// CompleteTx is Complete inside the caller's transaction tx: the record is
-// completed if and only if tx commits, so that a business write made in tx
-// and the completion are both visible or neither. It is fenced like
-// Complete, and refused too once the owner's lease has run out by the
-// database's clock, even if no one took the record over yet; on ErrFenced
-// the caller must roll tx back.
+// CompleteTx stores resp as the outcome of the operation in ctx (the
+// context Guard.Do gives its function, or a guarded handler's request
+// context) inside the caller's transaction tx: the record is completed if
+// and only if tx commits, so that a business write made in tx and the
+// completion are both visible or neither. The record's key, the attempt's
+// fencing token and the retention come from ctx.
+//
+// After CompleteTx, commit tx, then return without an error and write
+// nothing: Do returns resp and the middleware answers with it, exactly what
+// was committed, and nothing more is stored. An operation that fails after
+// CompleteTx (an error, or a handler's 5xx) has its record released, which
+// the store refuses if tx did commit: the caller gets ErrFenced (a 503) and
+// its retry replays what was committed.
+//
+// It fails with ErrNoOperation when ctx carries no operation,
+// ErrForeignStore when the operation's Guard keeps its records in another
+// store (a migrating store included), and ErrFenced once the owner's lease
+// has run out, by this process's clock or the database's, even if no one
+// took the record over yet; on any error, roll tx back.
 //
 // From the completion on, the record's row stays locked until tx ends, so no
 // claim can take the record over before tx commits or rolls back, and
-// waiters are woken when it commits. Commit tx with the operation's context
-// (the one Guard.Do gives fn): pgx sends no COMMIT on a context that is
-// done, so a transaction still open when the owner's lease ends locally
-// rolls back instead of committing. The owner's renewals wait on the row
-// lock meanwhile, so commit promptly: a transaction held open after
-// CompleteTx for about two thirds of the lease can outlast it.
-func (s *Store) CompleteTx(ctx context.Context, tx pgx.Tx, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
-	return s.complete(ctx, tx, s.completeTxSQL, k, token, resp, retention)
+// waiters are woken when it commits. Commit tx with the operation's context:
+// pgx sends no COMMIT on a context that is done, so a transaction still open
+// when the owner's lease ends locally rolls back instead of committing. The
+// owner's renewals wait on the row lock meanwhile, so commit promptly: a
+// transaction held open after CompleteTx for about two thirds of the lease
+// can outlast it.
+func (s *Store) CompleteTx(ctx context.Context, tx pgx.Tx, resp idempotency.Response) error {
+	return idempotency.CompleteOutside(ctx, s, resp, func(k idempotency.Key, token uint64, retention time.Duration) error {
+		return s.complete(ctx, tx, s.completeTxSQL, k, token, resp, retention)
+	})
 }
 
 // Release implements idempotency.Store.

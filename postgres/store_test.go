@@ -58,6 +58,10 @@ func TestStore(t *testing.T) {
 		{"GuardWithCompleteTx", testGuardWithCompleteTx},
 		{"CompleteTxOutlivesLease", testCompleteTxOutlivesLease},
 		{"CompleteTxAfterLease", testCompleteTxAfterLease},
+		{"CompleteTxMiddleware", testCompleteTxMiddleware},
+		{"CompleteTxFailures", testCompleteTxFailures},
+		{"CompleteTxWrongContext", testCompleteTxWrongContext},
+		{"CompleteTxTakeover", testCompleteTxTakeover},
 		{"DeleteExpired", testDeleteExpired},
 		{"ListenerReconnect", testListenerReconnect},
 		{"MigrateConcurrently", testMigrateConcurrently},
@@ -237,7 +241,7 @@ func charge(t *testing.T, f *fixture, s *postgres.Store, table string, k idempot
 	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
 	_, err = tx.Exec(t.Context(), "INSERT INTO "+table+" (operation_id, amount) VALUES ($1, 100)", c.OperationID)
 	require.NoError(t, err)
-	return tx, s.CompleteTx(t.Context(), tx, k, c.Token, okResponse, longRetention)
+	return tx, s.CompleteTxAs(t.Context(), tx, k, c.Token, okResponse, longRetention)
 }
 
 // Through Guard.Do, as an application uses it: the operation writes the
@@ -252,7 +256,7 @@ func testGuardWithCompleteTx(t *testing.T, f *fixture) {
 	k, print := key("guarded"), fp("guarded")
 	var runs atomic.Int32
 	failFirst := true
-	fn := chargeInTx(f, s, table, k, func(context.Context) error {
+	fn := chargeInTx(f, s, table, func(context.Context) error {
 		runs.Add(1)
 		if failFirst {
 			failFirst = false
@@ -301,7 +305,7 @@ func testCompleteTxOutlivesLease(t *testing.T, f *fixture) {
 	g := idempotency.New(s, idempotency.Options{Lease: lease, Retention: longRetention, WaitTimeout: -1})
 	k, print := key("long-tx"), fp("long-tx")
 	var held time.Duration
-	_, err := g.Do(t.Context(), k, print, chargeInTx(f, s, table, k, func(ctx context.Context) error {
+	_, err := g.Do(t.Context(), k, print, chargeInTx(f, s, table, func(ctx context.Context) error {
 		began := time.Now()
 		select {
 		case <-ctx.Done():
@@ -315,7 +319,7 @@ func testCompleteTxOutlivesLease(t *testing.T, f *fixture) {
 	assert.Zero(t, count(t, f, table), "the transaction committed after the lease ended locally")
 
 	var runs int
-	retry := chargeInTx(f, s, table, k, func(context.Context) error { runs++; return nil })
+	retry := chargeInTx(f, s, table, func(context.Context) error { runs++; return nil })
 	require.Eventually(t, func() bool {
 		_, err := g.Do(t.Context(), k, print, retry)
 		return err == nil
@@ -327,9 +331,9 @@ func testCompleteTxOutlivesLease(t *testing.T, f *fixture) {
 // chargeInTx is an operation for Guard.Do that writes a charge and
 // completes k's record in one transaction, answering with the operation ID.
 // Before it commits, with the operation's context, it calls beforeCommit,
-// whose error rolls the transaction back and is the operation's; once
-// committed, it tells the Guard with Settled.
-func chargeInTx(f *fixture, s *postgres.Store, table string, k idempotency.Key, beforeCommit func(ctx context.Context) error) func(context.Context) (idempotency.Response, error) {
+// whose error rolls the transaction back and is the operation's. It returns
+// no response of its own: the Guard answers with the one committed.
+func chargeInTx(f *fixture, s *postgres.Store, table string, beforeCommit func(ctx context.Context) error) func(context.Context) (idempotency.Response, error) {
 	return func(ctx context.Context) (idempotency.Response, error) {
 		info, _ := idempotency.FromContext(ctx)
 		tx, err := f.pool.Begin(ctx)
@@ -341,17 +345,13 @@ func chargeInTx(f *fixture, s *postgres.Store, table string, k idempotency.Key, 
 			return idempotency.Response{}, err
 		}
 		resp := idempotency.Response{Status: 201, Body: []byte(info.OperationID)}
-		if err := s.CompleteTx(ctx, tx, k, info.Token, resp, longRetention); err != nil {
+		if err := s.CompleteTx(ctx, tx, resp); err != nil {
 			return idempotency.Response{}, err
 		}
 		if err := beforeCommit(ctx); err != nil {
 			return idempotency.Response{}, err
 		}
-		if err := tx.Commit(ctx); err != nil {
-			return idempotency.Response{}, err
-		}
-		idempotency.SetDisposition(ctx, idempotency.Settled)
-		return resp, nil
+		return idempotency.Response{}, tx.Commit(ctx)
 	}
 }
 
@@ -370,7 +370,7 @@ func testCompleteTxAfterLease(t *testing.T, f *fixture) {
 	_, err = tx.Exec(t.Context(), "INSERT INTO "+table+" (operation_id, amount) VALUES ($1, 100)", owner.OperationID)
 	require.NoError(t, err)
 	time.Sleep(300 * time.Millisecond)
-	err = s.CompleteTx(t.Context(), tx, req.Key, owner.Token, okResponse, longRetention)
+	err = s.CompleteTxAs(t.Context(), tx, req.Key, owner.Token, okResponse, longRetention)
 	require.ErrorIs(t, err, idempotency.ErrFenced, "CompleteTx after the lease ran out")
 	// Complete outside a transaction still accepts the late owner while no
 	// one has taken over: only its own lease is over, and nothing of the
