@@ -149,3 +149,26 @@ func TestOperationTimeout(t *testing.T) {
 		assert.False(t, res.Replayed, "the timed-out run's key was released for this one")
 	})
 }
+
+// By default an operation runs at most a minute, so that a hung downstream
+// call cannot hold its key in flight for as long as the process lives; a
+// negative OperationTimeout leaves only the lease.
+func TestOperationTimeoutDefault(t *testing.T) {
+	deadline := func(o Options) (time.Duration, bool) {
+		var left time.Duration
+		var ok bool
+		_, err := New(NewMemoryStore(MemoryOptions{}), o).Do(context.Background(), Key{Name: "k"}, Fingerprint{}, func(ctx context.Context) (Response, error) {
+			var d time.Time
+			d, ok = ctx.Deadline()
+			left = time.Until(d)
+			return Response{}, nil
+		})
+		require.NoError(t, err)
+		return left, ok
+	}
+	left, ok := deadline(Options{})
+	require.True(t, ok, "the default bounds the run")
+	assert.InDelta(t, time.Minute.Seconds(), left.Seconds(), 5)
+	_, ok = deadline(Options{OperationTimeout: -1})
+	assert.False(t, ok, "a negative OperationTimeout leaves no deadline")
+}

@@ -192,8 +192,12 @@ type Options struct {
 	CancelWithCaller bool
 	// OperationTimeout bounds each run of an operation or of Recover: its
 	// context ends that long after it starts, with context.DeadlineExceeded,
-	// and what it returns is its outcome. Default 0: no bound but the lease,
-	// which the Guard renews as long as this process runs.
+	// and what it returns is its outcome (a handler's 5xx or an error
+	// releases the key, and the retry runs it again under the same
+	// operation ID). Without it, a downstream call that hangs would hold
+	// its key in flight, every retry answered ErrInFlight (409), for as long
+	// as the process runs, since the Guard renews the lease meanwhile.
+	// Default 1 minute; negative: no bound but the lease.
 	OperationTimeout time.Duration
 	// ClaimTimeout bounds each claim (the first, and a waiting duplicate's
 	// re-reads) and each wait's subscription: a store that has not answered
@@ -232,6 +236,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.ClaimTimeout == 0 {
 		o.ClaimTimeout = 5 * time.Second
+	}
+	if o.OperationTimeout == 0 {
+		o.OperationTimeout = time.Minute
 	}
 	return o
 }
