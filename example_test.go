@@ -37,8 +37,11 @@ func ExampleNewRedisStore() {
 	_ = guard // guard.Middleware, guard.Do
 }
 
-func ExampleGuard_Middleware() {
-	// In production the store is shared by every instance (NewRedisStore).
+// A payments API: a charge runs once per Idempotency-Key and account,
+// however often the client sends it.
+func Example() {
+	// In production the store is shared by every instance (see
+	// ExampleNewRedisStore).
 	guard := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
 	guarded := guard.Middleware(idempotency.MiddlewareOptions{
 		// Keys belong to an account: two accounts never share a record.

@@ -2,9 +2,41 @@
 // order, a transfer) run at most once, and answers every retry with the same
 // response, across any number of processes that share one store.
 //
-// A Guard runs operations through a Store: Guard.Do for any transport,
-// Guard.Middleware for net/http. The Redis store (NewRedisStore) is the one to
-// run in production; MemoryStore serves tests and single-process services.
+// A client sends an Idempotency-Key with a POST; however many times that
+// request arrives, at whichever instance, concurrently or a day later, the
+// handler runs once and every retry gets its stored answer:
+//
+//	rdb := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true})
+//	store, err := idempotency.NewRedisStore(rdb, idempotency.RedisOptions{})
+//	if err != nil {
+//		return err
+//	}
+//	defer store.Close()
+//	if err := store.CheckEviction(ctx); err != nil { // a Redis that evicts loses records
+//		return err
+//	}
+//	guard := idempotency.New(store, idempotency.Options{})
+//	charges := guard.Middleware(idempotency.MiddlewareOptions{
+//		Scope: func(r *http.Request) (string, error) { return accountOf(r) }, // keys are per account
+//	})
+//	mux.Handle("POST /v1/charges", charges(http.HandlerFunc(createCharge)))
+//
+// In the handler, DownstreamKey(r.Context(), "gateway") is the key to send to
+// a payment provider: the same for every attempt at the operation, so that a
+// retry after a crash cannot charge twice.
+//
+// What a user needs: New and Options; Guard.Middleware and MiddlewareOptions
+// for net/http (with SingleTenant, ProblemDetails, StripeErrors); Guard.Do,
+// Key and FingerprintOf for queues, webhooks and jobs; FromContext, Info,
+// DownstreamKey and SetDisposition inside an operation; Transport on the
+// calling side; the stores NewRedisStore (production), NewMemoryStore (tests)
+// and, in the postgres package, a PostgreSQL store whose CompleteTx completes
+// inside the application's own transaction; and the errors ErrMismatch,
+// ErrInFlight, ErrUnavailable, ErrFenced and ErrInvalidKey.
+//
+// For store implementers only: Store, Subscription, ClaimRequest, Claim,
+// ClaimState, AbandonedRecord, Stats and CompleteOutside; a store of one's
+// own must pass the conformance suite in package idempotencytest.
 //
 // Every record is identified by a Key (a scope such as an account id, and the
 // client's idempotency key) and bound to the Fingerprint of the request that
@@ -13,12 +45,8 @@
 // owner completes it (its response is kept and replayed for the retention
 // window) or releases it (the next retry becomes the owner, with the same
 // operation ID); an owner whose lease ran out can be taken over, and from then
-// on it can change nothing.
-//
-// Store, Subscription, ClaimRequest, Claim, ClaimState and AbandonedRecord
-// are for implementing a store of one's own; a user of a Guard needs none
-// of them. ARCHITECTURE.md in the repository describes the state machine,
-// the stores' layouts and the invariants the code keeps.
+// on it can change nothing. The repository's docs folder explains the HTTP
+// contract, the stores, operating it and the evidence for each guarantee.
 package idempotency
 
 import (
@@ -642,52 +670,6 @@ func SetDisposition(ctx context.Context, d Disposition) bool {
 	i.set, i.chosen = true, d
 	i.mu.Unlock()
 	return true
-}
-
-// CompleteOutside is for a store that completes a record inside the
-// caller's own transaction, as the postgres package's Store.CompleteTx
-// does; an application calls that method, not this function. It has
-// complete store resp as the outcome of the operation in ctx, for the
-// record's key, under the attempt's fencing token, with the Guard's
-// retention, and fails without calling it when ctx carries no operation
-// (ErrNoOperation), when the operation's Guard keeps its records in a store
-// other than s (ErrForeignStore), when the lease has ended (ErrFenced), or
-// when the operation was already completed.
-//
-// Once complete succeeds, resp is the operation's outcome if the operation
-// then succeeds (it returns no error, and the disposition it ends with is
-// Keep, as for a handler that writes nothing): Do returns resp, the
-// middleware answers with it, and the Guard stores nothing more. An
-// operation that fails instead is given up as usual (its record released),
-// which the store refuses if the transaction committed: the caller gets
-// ErrFenced (a 503), and its retry replays what was committed.
-func CompleteOutside(ctx context.Context, s Store, resp Response, complete func(k Key, token uint64, retention time.Duration) error) error {
-	i, ok := FromContext(ctx)
-	if !ok || i.owner == nil {
-		return fmt.Errorf("%w to complete", ErrNoOperation)
-	}
-	o := i.owner
-	if s != o.g.store {
-		return ErrForeignStore
-	}
-	i.mu.Lock()
-	busy := i.completed != nil || i.finishing
-	i.finishing = !busy
-	i.mu.Unlock()
-	if busy {
-		return errors.New("idempotency: the operation was already completed")
-	}
-	var err error
-	if err = o.lostErr(); err == nil {
-		err = complete(o.k, o.c.Token, o.g.opts.Retention)
-	}
-	i.mu.Lock()
-	defer i.mu.Unlock()
-	i.finishing = false
-	if err == nil {
-		i.completed = &resp
-	}
-	return err
 }
 
 // outcome is the response and disposition of an operation that returned

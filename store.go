@@ -3,6 +3,8 @@ package idempotency
 import (
 	"cmp"
 	"context"
+	"errors"
+	"fmt"
 	"slices"
 	"time"
 )
@@ -136,6 +138,52 @@ type Stats struct {
 	// Abandoned counts the records in flight whose lease ran out and that
 	// no claim took over yet: they wait for a retry or a sweep.
 	Abandoned int64
+}
+
+// CompleteOutside is for a store that completes a record inside the
+// caller's own transaction, as the postgres package's Store.CompleteTx
+// does; an application calls that method, not this function. It has
+// complete store resp as the outcome of the operation in ctx, for the
+// record's key, under the attempt's fencing token, with the Guard's
+// retention, and fails without calling it when ctx carries no operation
+// (ErrNoOperation), when the operation's Guard keeps its records in a store
+// other than s (ErrForeignStore), when the lease has ended (ErrFenced), or
+// when the operation was already completed.
+//
+// Once complete succeeds, resp is the operation's outcome if the operation
+// then succeeds (it returns no error, and the disposition it ends with is
+// Keep, as for a handler that writes nothing): Do returns resp, the
+// middleware answers with it, and the Guard stores nothing more. An
+// operation that fails instead is given up as usual (its record released),
+// which the store refuses if the transaction committed: the caller gets
+// ErrFenced (a 503), and its retry replays what was committed.
+func CompleteOutside(ctx context.Context, s Store, resp Response, complete func(k Key, token uint64, retention time.Duration) error) error {
+	i, ok := FromContext(ctx)
+	if !ok || i.owner == nil {
+		return fmt.Errorf("%w to complete", ErrNoOperation)
+	}
+	o := i.owner
+	if s != o.g.store {
+		return ErrForeignStore
+	}
+	i.mu.Lock()
+	busy := i.completed != nil || i.finishing
+	i.finishing = !busy
+	i.mu.Unlock()
+	if busy {
+		return errors.New("idempotency: the operation was already completed")
+	}
+	var err error
+	if err = o.lostErr(); err == nil {
+		err = complete(o.k, o.c.Token, o.g.opts.Retention)
+	}
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	i.finishing = false
+	if err == nil {
+		i.completed = &resp
+	}
+	return err
 }
 
 // dueRecord is an abandoned record with the time its lease ran out, in a

@@ -11,8 +11,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+
+	"github.com/idempotency-go/idempotency"
+	"github.com/idempotency-go/idempotency/postgres"
 )
 
 // charge is a charge as the provider returns it and the ledger keeps it.
@@ -45,6 +49,13 @@ type gateway interface {
 	// recovery learns whether a dead attempt's call reached the provider.
 	lookup(ctx context.Context, key string) (charge, bool, error)
 	stats(ctx context.Context) (gatewayStats, error)
+}
+
+// transactionalLedger is a ledger in the idempotency store's own database.
+type transactionalLedger interface {
+	// recordCompleting records c as ledger.record does and, in the same
+	// transaction, stores answer as the outcome of the operation in ctx.
+	recordCompleting(ctx context.Context, c charge, token uint64, answer idempotency.Response) error
 }
 
 // ledger is the service's own record of the charges it made.
@@ -215,16 +226,18 @@ CREATE TABLE IF NOT EXISTS payments_ledger (
     token  bigint NOT NULL -- the fencing token of the attempt that last wrote the row
 );`
 
-// postgresBackend is the gateway and the ledger in PostgreSQL.
+// postgresBackend is the gateway and the ledger in PostgreSQL, beside the
+// idempotency records of store.
 type postgresBackend struct {
 	pool    *pgxpool.Pool
+	store   *postgres.Store
 	latency time.Duration
 }
 
 // newPostgresBackend creates the example's tables if need be. Instances
 // starting together take turns under an advisory lock, since concurrent
 // CREATE TABLE IF NOT EXISTS can still collide.
-func newPostgresBackend(ctx context.Context, pool *pgxpool.Pool, latency time.Duration) (*postgresBackend, error) {
+func newPostgresBackend(ctx context.Context, pool *pgxpool.Pool, store *postgres.Store, latency time.Duration) (*postgresBackend, error) {
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext('payments schema'))`); err != nil {
 			return err
@@ -235,7 +248,7 @@ func newPostgresBackend(ctx context.Context, pool *pgxpool.Pool, latency time.Du
 	if err != nil {
 		return nil, fmt.Errorf("creating tables: %w", err)
 	}
-	return &postgresBackend{pool: pool, latency: latency}, nil
+	return &postgresBackend{pool: pool, store: store, latency: latency}, nil
 }
 
 func (b *postgresBackend) charge(ctx context.Context, key string, req chargeRequest) (charge, error) {
@@ -273,7 +286,28 @@ func (b *postgresBackend) stats(ctx context.Context) (gatewayStats, error) {
 }
 
 func (b *postgresBackend) record(ctx context.Context, c charge, token uint64) error {
-	tag, err := b.pool.Exec(ctx, `
+	return recordIn(ctx, b.pool, c, token)
+}
+
+// recordCompleting records c and completes the operation in ctx with answer
+// in one transaction: the ledger holds the charge if and only if its
+// idempotency record holds the answer.
+func (b *postgresBackend) recordCompleting(ctx context.Context, c charge, token uint64, answer idempotency.Response) error {
+	// Committed with the operation's context: a transaction still open when
+	// the lease ends locally rolls back.
+	return pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+		if err := recordIn(ctx, tx, c, token); err != nil {
+			return err
+		}
+		return b.store.CompleteTx(ctx, tx, answer)
+	})
+}
+
+// recordIn writes c to the ledger through q, a pool or a transaction.
+func recordIn(ctx context.Context, q interface {
+	Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+}, c charge, token uint64) error {
+	tag, err := q.Exec(ctx, `
 		INSERT INTO payments_ledger AS l (id, charge, token) VALUES ($1, $2, $3)
 		ON CONFLICT (id) DO UPDATE SET charge = excluded.charge, token = excluded.token
 		WHERE l.token <= excluded.token`, c.ID, c, int64(token))

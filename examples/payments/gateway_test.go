@@ -35,7 +35,7 @@ func TestBackends(t *testing.T) {
 		pool, err := pgxpool.New(t.Context(), testserver.StartPostgres(t).DSN)
 		require.NoError(t, err)
 		t.Cleanup(pool.Close)
-		b, err := newPostgresBackend(t.Context(), pool, 0)
+		b, err := newPostgresBackend(t.Context(), pool, nil, 0)
 		require.NoError(t, err)
 		checks(t, b)
 	})

@@ -76,21 +76,35 @@ func (a *api) createCharge(w http.ResponseWriter, r *http.Request) {
 			"The payment gateway could not be reached; retry with the same Idempotency-Key.")
 		return
 	}
-	// The fencing token lets the ledger refuse an attempt that was taken
-	// over (it stalled past its lease) and wakes up late.
-	info, _ := idempotency.FromContext(ctx) // always there: the route is guarded
-	if err := a.ledger.record(ctx, c, info.Token); err != nil {
-		log.Printf("ledger: %v", err)
-		writeProblem(w, http.StatusServiceUnavailable, "ledger-unavailable", "Charge not recorded",
-			"The charge could not be recorded; retry with the same Idempotency-Key.")
-		return
-	}
 	resp, err := chargeCreated(c)
 	if err != nil {
 		internalError(w, "encoding", err)
 		return
 	}
-	writeResponse(w, resp)
+	completed, err := a.recordCharge(ctx, c, resp)
+	if err != nil {
+		log.Printf("ledger: %v", err)
+		writeProblem(w, http.StatusServiceUnavailable, "ledger-unavailable", "Charge not recorded",
+			"The charge could not be recorded; retry with the same Idempotency-Key.")
+		return
+	}
+	if !completed {
+		writeResponse(w, resp) // the middleware stores it, then sends it
+	}
+}
+
+// recordCharge writes c to the ledger under the attempt's fencing token,
+// which lets the ledger refuse an attempt that was taken over (it stalled
+// past its lease) and wakes up late. A ledger in the idempotency store's
+// database also completes the operation with answer in the same
+// transaction, and recordCharge reports true: the middleware then sends
+// answer, exactly what was committed, and the handler writes nothing.
+func (a *api) recordCharge(ctx context.Context, c charge, answer idempotency.Response) (completed bool, err error) {
+	info, _ := idempotency.FromContext(ctx) // always there: the Guard runs the handler and the hook
+	if tl, ok := a.ledger.(transactionalLedger); ok {
+		return true, tl.recordCompleting(ctx, c, info.Token, answer)
+	}
+	return false, a.ledger.record(ctx, c, info.Token)
 }
 
 // recoverCharge is the Guard's Options.Recover. It runs, as the record's new
@@ -123,12 +137,15 @@ func (a *api) recoverCharge(ctx context.Context) (idempotency.Response, error) {
 	// ledger. This attempt's token is greater than the dead one's, so this
 	// write goes through, and a stalled owner that wakes up later cannot
 	// overwrite it.
-	info, _ := idempotency.FromContext(ctx) // always there: the Guard runs the hook
-	if err := a.ledger.record(ctx, c, info.Token); err != nil {
+	resp, err := chargeCreated(c)
+	if err != nil {
+		return idempotency.Response{}, err
+	}
+	if _, err := a.recordCharge(ctx, c, resp); err != nil {
 		return idempotency.Response{}, fmt.Errorf("ledger: %w", err)
 	}
 	log.Printf("recover: %s had charged %s; recorded it", key, c.ID)
-	return chargeCreated(c)
+	return resp, nil
 }
 
 // chargeCreated is the answer to a charge the gateway made. The handler

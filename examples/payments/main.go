@@ -19,6 +19,9 @@
 // The gateway and the ledger live in the same database as the idempotency
 // records. The gateway deduplicates on its own idempotency key, which the
 // handler derives with idempotency.DownstreamKey, as a real provider would.
+// On PostgreSQL the handler writes the charge to the ledger and completes
+// its idempotency record in one transaction (postgres.Store.CompleteTx):
+// the ledger holds a charge if and only if its answer is stored.
 //
 // An instance that dies between the gateway's charge and storing its answer
 // leaves the operation abandoned once its lease runs out. The recovery hook
@@ -198,7 +201,7 @@ func openPostgres(ctx context.Context, cfg config) (*backends, error) {
 		return nil, err
 	}
 	store := postgres.New(pool, postgres.Options{})
-	pg, err := newPostgresBackend(ctx, pool, cfg.work)
+	pg, err := newPostgresBackend(ctx, pool, store, cfg.work)
 	if err == nil {
 		err = store.Migrate(ctx)
 	}

@@ -25,6 +25,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -521,6 +522,32 @@ func TestInstancesOnPostgresActAsOne(t *testing.T) {
 	t.Parallel()
 	pg := testserver.StartPostgres(t)
 	requireOneService(t, startN(t, 2, "-postgres", pg.DSN, "-sweep", "50ms"))
+}
+
+// On PostgreSQL a charge's ledger row and its stored answer are written by
+// one transaction (the same xmin), and the client gets exactly the answer
+// stored, which its retry replays.
+func TestPostgresChargeCompletesInItsTransaction(t *testing.T) {
+	t.Parallel()
+	pg := testserver.StartPostgres(t)
+	in := start(t, "-postgres", pg.DSN)
+	first, err := postCharge(in.url, `"tx-1"`, "acct_1", amountBody(4200))
+	require.NoError(t, err)
+	c := chargeOf(t, first)
+	again, err := postCharge(in.url, "tx-1", "acct_1", amountBody(4200))
+	require.NoError(t, err)
+	requireReplayOf(t, first, again)
+
+	conn, err := pgx.Connect(t.Context(), pg.DSN)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	var ledgerTx, recordTx string
+	var stored []byte
+	require.NoError(t, conn.QueryRow(t.Context(), `SELECT xmin::text FROM payments_ledger WHERE id = $1`, c.ID).Scan(&ledgerTx))
+	require.NoError(t, conn.QueryRow(t.Context(),
+		`SELECT xmin::text, response FROM idempotency_records WHERE scope = 'acct_1' AND key = 'tx-1'`).Scan(&recordTx, &stored))
+	assert.Equal(t, ledgerTx, recordTx, "the ledger row and the answer were committed apart")
+	assert.Contains(t, string(stored), string(first.body), "the stored answer is the one sent")
 }
 
 // killAfterCharging sends one charge per key to owner, each with its own
