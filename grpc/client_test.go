@@ -33,7 +33,7 @@ func TestClientKeepsOneKey(t *testing.T) {
 		}
 		return receipt(ctx, run, in), nil
 	}}
-	in := serve(t, redisGuards(t, 1, idempotency.Options{})[0], idempotencygrpc.ServerOptions{}, svc)
+	in := serve(t, redisGuards(t, 1, idempotency.Options{})[0], idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
 	conn := dial(t, in.addr, withClient(idempotencygrpc.ClientOptions{
 		Retry:   quick,
 		Methods: func(m string) bool { return m == chargeMethod },
@@ -80,7 +80,7 @@ func TestClientRetriesOnlyWhatIsSafe(t *testing.T) {
 				return nil, status.Error(c.code, "no")
 			}}
 			in := serve(t, idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{}),
-				idempotencygrpc.ServerOptions{}, svc)
+				idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
 			conn := dial(t, in.addr, withClient(idempotencygrpc.ClientOptions{Retry: quick}))
 			_, _, err := charge(t.Context(), conn, amount(4200))
 			assert.Equal(t, c.code, status.Code(err))
@@ -98,7 +98,7 @@ func TestClientStopsOnContext(t *testing.T) {
 		return nil, status.Error(codes.Unavailable, "gateway down")
 	}}
 	in := serve(t, idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{}),
-		idempotencygrpc.ServerOptions{}, svc)
+		idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
 	conn := dial(t, in.addr, withClient(idempotencygrpc.ClientOptions{
 		Retry: idempotency.RetryPolicy{MaxAttempts: 1000, BaseDelay: time.Millisecond, MaxDelay: time.Millisecond},
 	}))
@@ -115,7 +115,7 @@ func TestClientUnderGRPCRetryPolicy(t *testing.T) {
 		return receipt(ctx, run, in), nil
 	}}
 	in := serve(t, idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{}),
-		idempotencygrpc.ServerOptions{}, svc)
+		idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
 	conn := dial(t, in.addr,
 		withClient(idempotencygrpc.ClientOptions{Retry: idempotency.RetryPolicy{MaxAttempts: 1}}),
 		grpc.WithDefaultServiceConfig(`{"methodConfig": [{
@@ -205,7 +205,7 @@ func (*lostReply) HandleConn(context.Context, stats.ConnStats)                  
 func lostReplyRig(t *testing.T, svc *payments, dialOpts ...grpc.DialOption) (*instance, *lostReply, *grpc.ClientConn) {
 	t.Helper()
 	l := &lostReply{}
-	in := serve(t, redisGuards(t, 1, idempotency.Options{})[0], idempotencygrpc.ServerOptions{}, svc,
+	in := serve(t, redisGuards(t, 1, idempotency.Options{})[0], idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc,
 		grpc.StatsHandler(l), grpc.InitialWindowSize(1<<20), grpc.InitialConnWindowSize(1<<20))
 	proxy := faultproxy.Start(t, in.addr)
 	l.mu.Lock()

@@ -11,7 +11,7 @@
 // that key:
 //
 //	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(
-//		idempotencygrpc.UnaryServerInterceptor(guard, idempotencygrpc.ServerOptions{})))
+//		idempotencygrpc.UnaryServerInterceptor(guard, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant})))
 //	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
 //		grpc.WithChainUnaryInterceptor(idempotencygrpc.UnaryClientInterceptor(idempotencygrpc.ClientOptions{})))
 //

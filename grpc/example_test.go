@@ -22,6 +22,7 @@ func Example() {
 	guard := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(
 		idempotencygrpc.UnaryServerInterceptor(guard, idempotencygrpc.ServerOptions{
+			Scope:   idempotencygrpc.SingleTenant,
 			Methods: func(method string) bool { return method == chargeMethod },
 		})))
 	svc := &payments{charge: func(_ context.Context, run int64, in *structpb.Struct) (*structpb.Struct, error) {

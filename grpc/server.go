@@ -36,7 +36,9 @@ type ServerOptions struct {
 	// belongs to, so that two tenants never share a record whatever keys
 	// their clients choose. An error ends the call: with its own status
 	// when it carries one (status.Error), else with InvalidArgument, its
-	// text not sent. Default: "" for every call (one tenant).
+	// text not sent. Required: UnaryServerInterceptor panics without it, so
+	// that no service shares keys between its tenants by omission; a
+	// service with a single tenant says so with SingleTenant.
 	Scope func(ctx context.Context, fullMethod string) (string, error)
 	// Disposition chooses, from the code the handler returned, what
 	// becomes of the record. Default DefaultDisposition.
@@ -50,9 +52,6 @@ type ServerOptions struct {
 func (o ServerOptions) withDefaults() ServerOptions {
 	if o.Methods == nil {
 		o.Methods = func(string) bool { return true }
-	}
-	if o.Scope == nil {
-		o.Scope = func(context.Context, string) (string, error) { return "", nil }
 	}
 	if o.Disposition == nil {
 		o.Disposition = DefaultDisposition
@@ -92,6 +91,10 @@ func DefaultDisposition(code codes.Code) idempotency.Disposition {
 	return idempotency.Release
 }
 
+// SingleTenant is the ServerOptions.Scope of a service with one tenant:
+// every call's key is in the same scope, "".
+func SingleTenant(context.Context, string) (string, error) { return "", nil }
+
 // UnaryServerInterceptor returns an interceptor that runs each guarded call
 // carrying an idempotency-key through g.Do, so that its handler runs at most
 // once per key and every retry receives the same response message, or the
@@ -103,8 +106,11 @@ func DefaultDisposition(code codes.Code) idempotency.Disposition {
 // retry finds out what was stored. The handler's context is the one Guard.Do
 // gives its operation: idempotency.FromContext and DownstreamKey work in
 // it, and it ends, with a cause matching idempotency.ErrFenced, when the
-// lease ends.
+// lease ends. It panics when o.Scope is nil.
 func UnaryServerInterceptor(g *idempotency.Guard, o ServerOptions) grpc.UnaryServerInterceptor {
+	if o.Scope == nil {
+		panic("idempotencygrpc: ServerOptions.Scope is nil: name the account a key belongs to, or use SingleTenant")
+	}
 	o = o.withDefaults()
 	ms := max(1, o.RetryAfter.Milliseconds())
 	s := &server{g: g, o: o, pushback: metadata.Pairs(pushbackKey, strconv.FormatInt(ms, 10))}

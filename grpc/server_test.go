@@ -49,7 +49,7 @@ func TestDuplicatesAcrossInstances(t *testing.T) {
 		}
 		return receipt(ctx, run, in), nil
 	}}
-	inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{}, svc)
+	inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
 	conns := [2]*grpc.ClientConn{dial(t, inst[0].addr), dial(t, inst[1].addr)}
 
 	const n = 8
@@ -104,7 +104,7 @@ func TestStoredErrorReplays(t *testing.T) {
 		require.NoError(t, err)
 		return nil, st.Err()
 	}}
-	inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{}, svc)
+	inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
 
 	_, md, err := charge(t.Context(), dial(t, inst[0].addr), amount(4200), "k-err")
 	want := status.Convert(err)
@@ -123,7 +123,7 @@ func TestStoredErrorReplays(t *testing.T) {
 
 func TestMismatch(t *testing.T) {
 	svc := &payments{}
-	inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{}, svc)
+	inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
 	conn := dial(t, inst[0].addr)
 	_, _, err := charge(t.Context(), conn, amount(4200), "k-mis")
 	require.NoError(t, err)
@@ -146,7 +146,7 @@ func TestInFlight(t *testing.T) {
 		return receipt(ctx, run, in), nil
 	}}
 	// Duplicates do not wait: they are answered at once.
-	inst := pair(t, idempotency.Options{WaitTimeout: -1}, idempotencygrpc.ServerOptions{RetryAfter: 250 * time.Millisecond}, svc)
+	inst := pair(t, idempotency.Options{WaitTimeout: -1}, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant, RetryAfter: 250 * time.Millisecond}, svc)
 
 	original := make(chan error, 1)
 	go func() {
@@ -172,7 +172,7 @@ func TestCallerGone(t *testing.T) {
 		<-release
 		return receipt(ctx, run, in), nil
 	}}
-	inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{}, svc)
+	inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
 	original := make(chan error, 1)
 	go func() {
 		_, _, err := charge(t.Context(), dial(t, inst[0].addr), amount(4200), "k-gone")
@@ -206,7 +206,7 @@ func TestDispositions(t *testing.T) {
 			}
 			return receipt(ctx, run, in), nil
 		}}
-		inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{}, svc)
+		inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
 		_, md, err := charge(t.Context(), dial(t, inst[0].addr), amount(4200), "k-rel")
 		require.Equal(t, codes.Unavailable, status.Code(err))
 		assert.Empty(t, md.Get("grpc-retry-pushback-ms"), "the handler's own answer")
@@ -233,7 +233,7 @@ func TestDispositions(t *testing.T) {
 			}
 			return receipt(ctx, run, in), nil
 		}}
-		inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{}, svc)
+		inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
 		_, _, err := charge(t.Context(), dial(t, inst[0].addr), amount(-5), "k-fix")
 		require.Equal(t, codes.InvalidArgument, status.Code(err))
 		reply, md, err := charge(t.Context(), dial(t, inst[1].addr), amount(5), "k-fix")
@@ -249,7 +249,7 @@ func TestDispositions(t *testing.T) {
 			}
 			return receipt(ctx, run, in), nil
 		}}
-		inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{}, svc)
+		inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
 		for _, in := range inst {
 			_, md, err := charge(t.Context(), dial(t, in.addr), amount(4200), "k-pending")
 			require.NoError(t, err)
@@ -262,7 +262,7 @@ func TestDispositions(t *testing.T) {
 			require.True(t, idempotency.SetDisposition(ctx, idempotency.Keep))
 			return nil, status.Error(codes.FailedPrecondition, "card declined")
 		}}
-		inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{}, svc)
+		inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
 		for i, in := range inst {
 			_, md, err := charge(t.Context(), dial(t, in.addr), amount(4200), "k-declined")
 			require.Equal(t, codes.FailedPrecondition, status.Code(err))
@@ -280,7 +280,7 @@ func TestDispositions(t *testing.T) {
 			}
 			return idempotencygrpc.DefaultDisposition(c)
 		}
-		inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{Disposition: keepDeclines}, svc)
+		inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant, Disposition: keepDeclines}, svc)
 		for _, in := range inst {
 			_, _, err := charge(t.Context(), dial(t, in.addr), amount(4200), "k-declined")
 			assert.Equal(t, codes.FailedPrecondition, status.Code(err))
@@ -312,8 +312,9 @@ func TestDefaultDisposition(t *testing.T) {
 func TestKeys(t *testing.T) {
 	svc := &payments{}
 	g := redisGuards(t, 1, idempotency.Options{})[0]
-	optional := dial(t, serve(t, g, idempotencygrpc.ServerOptions{}, svc).addr)
+	optional := dial(t, serve(t, g, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc).addr)
 	required := dial(t, serve(t, g, idempotencygrpc.ServerOptions{
+		Scope:      idempotencygrpc.SingleTenant,
 		RequireKey: true,
 		Methods:    func(m string) bool { return m == chargeMethod },
 	}, svc).addr)
@@ -397,7 +398,7 @@ func TestStoreUnavailable(t *testing.T) {
 	store, err := idempotency.NewRedisStore(r.Client(), idempotency.RedisOptions{})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = store.Close() })
-	conn := dial(t, serve(t, idempotency.New(store, idempotency.Options{}), idempotencygrpc.ServerOptions{}, svc).addr)
+	conn := dial(t, serve(t, idempotency.New(store, idempotency.Options{}), idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc).addr)
 	r.Stop(t)
 
 	var trailer metadata.MD
@@ -424,7 +425,7 @@ func TestFencedOwner(t *testing.T) {
 		return receipt(ctx, run, in), nil
 	}}
 	g := idempotency.New(store, idempotency.Options{Lease: 300 * time.Millisecond})
-	conn := dial(t, serve(t, g, idempotencygrpc.ServerOptions{}, svc).addr)
+	conn := dial(t, serve(t, g, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc).addr)
 
 	answer := make(chan error, 1)
 	var trailer metadata.MD
@@ -451,7 +452,7 @@ func TestUnregisteredMethod(t *testing.T) {
 	var ran atomic.Bool
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(idempotencygrpc.UnaryServerInterceptor(
 		idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{}),
-		idempotencygrpc.ServerOptions{})))
+		idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant})))
 	desc := paymentsDesc()
 	desc.ServiceName = "unregistered.v1.Ledger"
 	desc.Methods = []grpc.MethodDesc{{MethodName: "Post", Handler: unaryHandler(method,
@@ -490,7 +491,7 @@ func TestProtoPayloadThatLooksLikeJSON(t *testing.T) {
 	require.Len(t, b, 34)
 
 	g := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
-	intercept := idempotencygrpc.UnaryServerInterceptor(g, idempotencygrpc.ServerOptions{})
+	intercept := idempotencygrpc.UnaryServerInterceptor(g, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant})
 	info := &grpc.UnaryServerInfo{FullMethod: "/grpc.health.v1.Health/Check"}
 	runs := 0
 	handler := func(_ context.Context, req any) (any, error) {
@@ -514,4 +515,14 @@ func TestProtoPayloadThatLooksLikeJSON(t *testing.T) {
 	_, err = intercept(ctx, &healthpb.HealthCheckRequest{Service: a}, info, handler)
 	require.NoError(t, err)
 	assert.Equal(t, 1, runs)
+}
+
+// An interceptor without a Scope is refused when it is built: sharing keys
+// between tenants is a choice to make, with SingleTenant.
+func TestServerRequiresScope(t *testing.T) {
+	g := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
+	assert.Panics(t, func() { idempotencygrpc.UnaryServerInterceptor(g, idempotencygrpc.ServerOptions{}) })
+	assert.NotPanics(t, func() {
+		idempotencygrpc.UnaryServerInterceptor(g, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant})
+	})
 }

@@ -112,10 +112,7 @@ func (p *payments) Balance(context.Context, *structpb.Struct) (*structpb.Struct,
 
 // receipt is the reply to a charge: its id, amount and the run that made it.
 func receipt(ctx context.Context, run int64, in *structpb.Struct) *structpb.Struct {
-	dk, err := idempotency.DownstreamKey(ctx, "gateway")
-	if err != nil {
-		panic(err) // every handler of the service runs behind the interceptor
-	}
+	dk, _ := idempotency.DownstreamKey(ctx, "gateway") // "" for a call without a key, which runs unguarded
 	return &structpb.Struct{Fields: map[string]*structpb.Value{
 		"id":     structpb.NewStringValue("ch_" + dk),
 		"amount": in.GetFields()["amount"],
