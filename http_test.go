@@ -1323,7 +1323,7 @@ func TestStripeErrors(t *testing.T) {
 		{ErrInvalidKey, 400, "idempotency_error", "false"},
 		{errScope, 400, "invalid_request_error", "false"},
 		{errBodyUnreadable, 400, "invalid_request_error", "false"},
-		{bodyTooLargeError{8}, 413, "invalid_request_error", "false"},
+		{bodyTooLargeError{8}, 400, "invalid_request_error", "false"},
 		{ErrMismatch, 400, "idempotency_error", "false"},
 		{ErrInFlight, 409, "idempotency_error", "true"},
 		{ErrFenced, 503, "api_error", "true"},

@@ -36,19 +36,24 @@ func ProblemDetails(w http.ResponseWriter, _ *http.Request, p Problem) {
 }
 
 // StripeErrors writes p as Stripe's API writes its errors, for an API that
-// follows Stripe's conventions and whose clients use Stripe's SDKs: a JSON
-// body {"error": {"type", "code", "message", "doc_url"}}, which those SDKs
-// turn into an error of the class its type names (idempotency_error for a
-// problem with the key, invalid_request_error for one with the request,
-// api_error for the store's), and Stripe-Should-Retry, true where a retry
-// with the same key can succeed (409, 503) and false elsewhere. A key
-// reused with another request answers 400, as Stripe's API does, instead of
-// 422; every other status is p's.
+// follows Stripe's conventions and whose clients use Stripe's SDKs, which
+// read an error only from a body with an "error" member: the body is
+// {"error": {"type", "code", "message", "doc_url"}}, its type
+// idempotency_error for a problem with the key, invalid_request_error for one
+// with the request and api_error for the store's. As Stripe's API does, it
+// answers every refusal of the request itself with 400 (a key reused with
+// another request, a body too large), so that the SDKs raise an idempotency
+// or invalid-request error for it; 409 and 503 keep their status, with
+// Stripe-Should-Retry: true, since a retry under the same key can succeed
+// (stripe-node retries them, stripe-go raises them); every other answer
+// carries Stripe-Should-Retry: false.
 func StripeErrors(w http.ResponseWriter, _ *http.Request, p Problem) {
 	status, kind := p.Status, "invalid_request_error"
 	switch p.Code {
 	case codeKeyReused:
 		status, kind = http.StatusBadRequest, "idempotency_error"
+	case codeBodyTooLarge:
+		status = http.StatusBadRequest
 	case codeMissingKey, codeRepeatedKey, codeInvalidKey, codeInFlight:
 		kind = "idempotency_error"
 	case codeOutcomeNotRecorded, codeStoreUnavailable, codeClientGone:

@@ -11,6 +11,12 @@
 // concurrent duplicates across two instances behind lossy links still run
 // once per key.
 //
+// They also show what stripe-go and the official Stripe Node SDK
+// (stripe-node, run by node from node/, whose package-lock.json pins it;
+// install it with npm ci there) make of each of the middleware's error
+// answers, in the default problem+json and with StripeErrors: which they
+// surface as errors, of which class, and which they retry.
+//
 // It is a module of its own, so that the library's go.mod never requires
 // these clients.
 package clientcompat

@@ -38,7 +38,7 @@ const (
 //
 //	keyReused  key-reused 422 (400 with StripeErrors), once a refund ran under it
 //	keyHeld    in-flight 409 at once (WaitTimeout -1), while the first refund under it waits for release
-//	keyBig     body-too-large 413, with a body over errorAPIMaxBody
+//	keyBig     body-too-large 413 (400 with StripeErrors), with a body over errorAPIMaxBody
 //	keyDown    store-unavailable 503: the store's Claim fails with ErrUnavailable
 //
 // For the stripe-node script, which cannot see the test's channels, GET
@@ -199,7 +199,7 @@ func TestStripeGoStripeErrors(t *testing.T) {
 	}{
 		{"key-reused", http.StatusBadRequest, stripe.ErrorTypeIdempotency, &stripe.IdempotencyError{}, "false"},
 		{"in-flight", http.StatusConflict, stripe.ErrorTypeIdempotency, &stripe.IdempotencyError{}, "true"},
-		{"body-too-large", http.StatusRequestEntityTooLarge, stripe.ErrorTypeInvalidRequest, &stripe.InvalidRequestError{}, "false"},
+		{"body-too-large", http.StatusBadRequest, stripe.ErrorTypeInvalidRequest, &stripe.InvalidRequestError{}, "false"},
 		{"store-unavailable", http.StatusServiceUnavailable, stripe.ErrorTypeAPI, &stripe.APIError{}, "true"},
 	} {
 		t.Run(c.code, func(t *testing.T) {
