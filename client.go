@@ -154,8 +154,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if !t.guards(req.Method) {
 		return base.RoundTrip(req)
 	}
-	ctx := req.Context()
-	first := req.Clone(ctx)
+	first := req.Clone(req.Context())
 	if first.Header == nil {
 		first.Header = make(http.Header)
 	}
@@ -170,10 +169,16 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	p := t.Retry.withDefaults()
 	attempts := p.MaxAttempts
-	hasBody := req.Body != nil && req.Body != http.NoBody
-	if hasBody && req.GetBody == nil {
+	if req.Body != nil && req.Body != http.NoBody && req.GetBody == nil {
 		attempts = 1
 	}
+	return t.attempt(base, req, first, p, attempts)
+}
+
+// attempt sends first, and again under its key until an answer is final or
+// attempts were made, as Transport describes.
+func (t *Transport) attempt(base http.RoundTripper, req, first *http.Request, p RetryPolicy, attempts int) (*http.Response, error) {
+	ctx := req.Context()
 	send := first
 	for n := 1; ; n++ {
 		resp, err := base.RoundTrip(send)
@@ -199,7 +204,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			return nil, fmt.Errorf("idempotency: gave up after attempt %d: %w", n, err)
 		}
 		send = first.Clone(ctx)
-		if hasBody {
+		if req.Body != nil && req.Body != http.NoBody {
 			if send.Body, err = req.GetBody(); err != nil {
 				return nil, fmt.Errorf("idempotency: rewinding the body for attempt %d: %w", n+1, err)
 			}

@@ -228,18 +228,19 @@ func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.next.ServeHTTP(w, r)
 		return
 	}
-	t := callState{method: r.Method, route: r.Pattern}
-	if h.g.opts.Observer != nil {
-		t.start = time.Now()
-	}
+	t := h.g.newCall(r.Method, r.Pattern)
 	k, body, err := h.admit(r, values)
 	if err != nil {
-		t.rejected = true
+		t.decided = OutcomeRejected
+		if errors.Is(err, ErrInvalidKey) || errors.Is(err, errKeyMissing) || errors.Is(err, errKeyRepeated) {
+			t.decided = OutcomeInvalidKey
+		}
 		h.g.report(r.Context(), k.Scope, &t, Result{}, err)
 		h.fail(w, r, err)
 		return
 	}
-	h.serve(w, r, &t, k, requestFingerprint(r, body, h.o.FingerprintHeaders), body)
+	x := &exchange{h: h, w: w, r: r, body: body}
+	x.serve(&t, k, requestFingerprint(r, body, h.o.FingerprintHeaders))
 }
 
 // admit checks everything that can be checked before the store is asked:
@@ -336,74 +337,76 @@ func withBody(ctx context.Context, r *http.Request, body []byte) *http.Request {
 	return r
 }
 
-// serve runs the handler as g.Do's operation, on the request's goroutine,
-// so that a panic keeps its stack. The handler writes to a recorder; Do
-// stores the outcome when the handler returns, and only then is it sent.
-// A body too large to buffer is settled early instead (Info.settleEarly),
-// from inside the handler's Write, and then streamed.
-func (h *guarded) serve(w http.ResponseWriter, r *http.Request, t *callState, k Key, fp Fingerprint, body []byte) {
-	var (
-		rec  *recorder // set once the handler runs: Do made this request the owner
-		info *Info     // the handler's
-	)
-	ctx, end := h.g.startPhase(r.Context(), PhaseCall, PhaseStart{Scope: k.Scope})
-	res, err := h.g.do(ctx, k, fp, func(ctx context.Context) (Response, error) {
-		info, _ = FromContext(ctx)
-		rec = &recorder{w: w, header: make(http.Header), limit: h.o.MaxResponseBytes}
-		rec.settle = func(resp Response) error {
-			info.defaultTo(h.o.Disposition(resp.Status))
-			err := info.settleEarly(resp)
-			if err != nil {
-				h.fail(w, r, err)
-			}
-			return err
-		}
-		h.next.ServeHTTP(rec, withBody(ctx, r, body))
-		resp, err := rec.outcome()
-		if err == nil {
-			info.defaultTo(h.o.Disposition(resp.Status))
-		}
-		return resp, err
-	}, t)
-	defer func() {
-		h.g.report(ctx, k.Scope, t, res, err)
-		end(err)
-	}()
+// exchange is one guarded request: its run through the Guard, with the
+// handler as the operation. Only the request's goroutine touches it.
+type exchange struct {
+	h    *guarded
+	w    http.ResponseWriter
+	r    *http.Request
+	body []byte    // the request body, read whole
+	rec  *recorder // set once the handler runs: the request became the owner
+	info *Info     // the handler's, set with rec
+}
+
+// serve runs the handler as the Guard's operation, on the request's
+// goroutine, so that a panic keeps its stack. The handler writes to a
+// recorder, and the response is sent only once the Guard has stored it; a
+// body too large to buffer is settled early instead (settleEarly), from
+// inside the handler's Write, and then streamed.
+func (x *exchange) serve(t *callState, k Key, fp Fingerprint) {
+	if x.h.o.FailOpen {
+		t.failOpen = func() { x.h.next.ServeHTTP(x.w, withBody(x.r.Context(), x.r, x.body)) }
+	}
+	res, err := x.h.g.call(x.r.Context(), k, fp, x.operate, t)
 	switch {
-	case rec == nil && err == nil:
-		sendHead(w, res.Response.Status, res.Response.Header, true)
-		_, _ = w.Write(res.Response.Body)
-	case rec == nil:
-		// The handler never ran. Only then may FailOpen run it; never when
-		// the record is known to be in flight elsewhere or was claimed by
-		// this request too late to act on, nor when the client has gone,
-		// for then the store's failure may be the cancelled request's
-		// doing.
-		if h.o.FailOpen && errors.Is(err, ErrUnavailable) && !errors.Is(err, ErrInFlight) && !errors.Is(err, errLateClaim) &&
-			r.Context().Err() == nil {
-			t.failedOpen = true
-			h.next.ServeHTTP(w, withBody(r.Context(), r, body))
-			return
-		}
-		if r.Context().Err() != nil {
-			// The client has gone: nobody reads the answer, and the error
-			// is its own doing, not the store's.
-			h.fail(w, r, errClientGone)
-			return
-		}
-		h.fail(w, r, err)
-	case rec.state != recording:
+	case t.decided == OutcomeFailedOpen:
+		// The handler answered, unguarded.
+	case x.rec == nil && err == nil:
+		sendHead(x.w, res.Response.Status, res.Response.Header, true)
+		_, _ = x.w.Write(res.Response.Body)
+	case x.rec == nil && x.r.Context().Err() != nil:
+		// The client has gone: nobody reads the answer, and the error is
+		// its own doing, not the store's.
+		x.h.fail(x.w, x.r, errClientGone)
+	case x.rec == nil:
+		x.h.fail(x.w, x.r, err)
+	case x.rec.state != recording:
 		// Settled early and streamed, or answered with a problem already.
 	case err != nil:
-		h.fail(w, r, err)
-	case info.completedOutside():
+		x.h.fail(x.w, x.r, err)
+	case x.info.completedOutside():
 		// The handler stored its outcome in its own transaction: the
 		// client gets exactly that, whatever the handler wrote.
-		sendHead(w, res.Response.Status, res.Response.Header, false)
-		_, _ = w.Write(res.Response.Body)
+		sendHead(x.w, res.Response.Status, res.Response.Header, false)
+		_, _ = x.w.Write(res.Response.Body)
 	default:
-		rec.send()
+		x.rec.send()
 	}
+}
+
+// operate is the Guard's operation: the handler, writing to a recorder. Its
+// status chooses the record's disposition, unless the handler chose.
+func (x *exchange) operate(ctx context.Context) (Response, error) {
+	x.info, _ = FromContext(ctx)
+	x.rec = &recorder{w: x.w, header: make(http.Header), limit: x.h.o.MaxResponseBytes, settle: x.settleEarly}
+	x.h.next.ServeHTTP(x.rec, withBody(ctx, x.r, x.body))
+	resp, err := x.rec.outcome()
+	if err == nil {
+		x.info.defaultTo(x.h.o.Disposition(resp.Status))
+	}
+	return resp, err
+}
+
+// settleEarly settles the record with resp, the head of a response too large
+// to buffer, while the handler still writes it. A failure is answered to the
+// client at once, as a problem.
+func (x *exchange) settleEarly(resp Response) error {
+	x.info.defaultTo(x.h.o.Disposition(resp.Status))
+	err := x.info.settleEarly(resp)
+	if err != nil {
+		x.h.fail(x.w, x.r, err)
+	}
+	return err
 }
 
 // recorder is the handler's ResponseWriter. It buffers the response until

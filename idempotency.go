@@ -276,7 +276,7 @@ func (o Options) withDefaults() Options {
 type Guard struct {
 	store   Store
 	opts    Options
-	waiters chan struct{} // a semaphore of Options.MaxWaiters slots
+	waiting chan struct{} // one slot per call waiting for an original, Options.MaxWaiters in all
 	owners  atomic.Int64  // owners between own and close: operations running here
 	phases  PhaseObserver // Options.Observer, when it traces phases
 	// callsEndByDeadline: every call of the store returns by its context's
@@ -289,13 +289,13 @@ type Guard struct {
 // are waiting for an original in flight: gauges of this process's load,
 // read without a store call.
 func (g *Guard) InFlight() (operations, waiting int) {
-	return int(g.owners.Load()), len(g.waiters)
+	return int(g.owners.Load()), len(g.waiting)
 }
 
 // New returns a Guard that keeps its records in store.
 func New(store Store, opts Options) *Guard {
 	opts = opts.withDefaults()
-	g := &Guard{store: store, opts: opts, waiters: make(chan struct{}, opts.MaxWaiters)}
+	g := &Guard{store: store, opts: opts, waiting: make(chan struct{}, opts.MaxWaiters)}
 	g.phases, _ = opts.Observer.(PhaseObserver)
 	// Only this package's stores can vouch that every call returns by its
 	// context's deadline: MemoryStore waits for nothing but its lock, and a
@@ -361,15 +361,34 @@ type Result struct {
 // the outcome fails, Do returns ErrFenced or ErrUnavailable and no Response:
 // the caller must not report success it could not record.
 func (g *Guard) Do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error)) (Result, error) {
-	var t callState
-	if g.opts.Observer != nil {
-		t.start = time.Now()
-	}
+	t := g.newCall("", "")
+	return g.call(ctx, k, fp, fn, &t)
+}
+
+// call is Do for every transport, told of the call by t: the HTTP method
+// and route for the Observer, and failOpen, which runs the operation
+// unguarded when the store could not be asked to claim the key (see
+// mayFailOpen).
+func (g *Guard) call(ctx context.Context, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error), t *callState) (Result, error) {
 	ctx, end := g.startPhase(ctx, PhaseCall, PhaseStart{Scope: k.Scope})
-	res, err := g.do(ctx, k, fp, fn, &t)
-	g.report(ctx, k.Scope, &t, res, err)
+	res, err := g.do(ctx, k, fp, fn, t)
+	if t.failOpen != nil && mayFailOpen(ctx, t, err) {
+		t.decided = OutcomeFailedOpen
+		t.failOpen()
+	}
+	g.report(ctx, k.Scope, t, res, err)
 	end(err)
 	return res, err
+}
+
+// mayFailOpen reports that a call that failed with err may run its operation
+// unguarded: the store could not be asked to claim the key, and nothing ran.
+// Never when the record is known to be in flight elsewhere or was claimed
+// by this call too late to act on, nor when the caller has gone, for then
+// the store's failure may be the cancelled call's doing.
+func mayFailOpen(ctx context.Context, t *callState, err error) bool {
+	return !t.owned && errors.Is(err, ErrUnavailable) && !errors.Is(err, ErrInFlight) && !errors.Is(err, errLateClaim) &&
+		ctx.Err() == nil
 }
 
 // do is Do, telling t what its Observer will want to know.
@@ -404,140 +423,22 @@ func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx conte
 // claim claims k, waiting while another owner holds it, until the caller owns
 // the record or there is a final answer. sent is when the claim that gave
 // that answer was handed to the store: an owner's lease is counted from it.
-func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) (c Claim, sent time.Time, err error) {
+func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) (Claim, time.Time, error) {
 	req := ClaimRequest{Key: k, Fingerprint: fp, OperationID: newOperationID(), Lease: g.opts.Lease, Retention: g.opts.Retention}
-	sent = time.Now()
+	sent := time.Now()
 	cctx, endClaim := g.startPhase(ctx, PhaseClaim, PhaseStart{Scope: k.Scope})
-	c, err = g.claimOnce(cctx, req)
+	c, err := g.claimOnce(cctx, req)
 	endClaim(err)
-	if err != nil {
+	switch {
+	case err != nil:
 		t.op = OpClaim
 		return c, sent, err
+	case c.State == Mismatch:
+		return c, sent, ErrMismatch
+	case c.State == InFlight:
+		return g.wait(ctx, req, t)
 	}
-	if c.State != InFlight {
-		return c, sent, claimErr(c, nil)
-	}
-	if g.opts.WaitTimeout < 0 {
-		return c, sent, ErrInFlight
-	}
-	select {
-	case g.waiters <- struct{}{}:
-		defer func() { <-g.waiters }()
-	default:
-		return c, sent, fmt.Errorf("%w: %d requests already waiting", ErrInFlight, cap(g.waiters))
-	}
-	waitStart := time.Now()
-	ctx, endWait := g.startPhase(ctx, PhaseWait, PhaseStart{Scope: k.Scope})
-	defer func() {
-		t.waited = time.Since(waitStart)
-		endWait(err)
-	}()
-	wctx, cancel := context.WithTimeout(ctx, g.opts.WaitTimeout)
-	defer cancel()
-	// Subscribe before re-reading: a completion that lands between the two
-	// is then either seen by the re-read or delivered as a wake-up.
-	wake, err := g.subscribe(wctx, k)
-	if err != nil {
-		if wctx.Err() != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, errCutOff) {
-			// The wait ended before the store confirmed.
-			return c, sent, ErrInFlight
-		}
-		t.op = OpSubscribe
-		return c, sent, errors.Join(ErrInFlight, err)
-	}
-	defer wake.Close()
-	recheck := time.NewTimer(g.opts.RecheckInterval)
-	defer recheck.Stop()
-	req.Watch = true
-	// failed is the last re-read's error, and failures how many in a row
-	// failed: a re-read the store could not answer (a connection reset, a
-	// reply lost) is tried again until the wait ends, rather than ending it
-	// long before WaitTimeout. Whatever failed, the original is known to be
-	// running, so this request is never run beside it (say, by failing
-	// open): its error always matches ErrInFlight.
-	var failed error
-	failures := 0
-	for {
-		// Not wctx: a claim cut short by the wait's deadline might still
-		// take the record on the server, leaving an owner nobody knows of.
-		// ClaimTimeout cuts short only a claim the store does not answer,
-		// and the next re-read, with the same operation ID, finds such a
-		// claim again on Redis. Its lease then counts from the earliest
-		// unanswered send, not from the re-read's: the server's deadline
-		// is that send's.
-		if failed == nil {
-			sent = time.Now()
-		}
-		c, err = g.claimOnce(ctx, req)
-		switch {
-		case err != nil && (ctx.Err() != nil || !errors.Is(err, ErrUnavailable)):
-			t.op = OpClaim
-			return c, sent, errors.Join(ErrInFlight, err)
-		case err != nil:
-			failed = err
-			recheck.Reset(g.retryDelay(failures))
-			failures++
-		case c.State != InFlight:
-			return c, sent, claimErr(c, nil)
-		default:
-			failed, failures = nil, 0
-			// An owner that stopped renewing is taken over as soon as its
-			// lease runs out, rather than at the next regular re-read.
-			recheck.Reset(min(g.opts.RecheckInterval, c.LeaseLeft+time.Millisecond))
-		}
-		select {
-		case <-wake.C():
-		case <-recheck.C:
-		case <-wctx.Done():
-			if ctx.Err() != nil {
-				return c, sent, ctx.Err()
-			}
-			if failed != nil {
-				t.op = OpClaim
-				return c, sent, errors.Join(ErrInFlight, failed)
-			}
-			return c, sent, ErrInFlight
-		}
-	}
-}
-
-// subscribe subscribes to k's wake-ups for a wait that ends with wctx. A
-// subscription the store could not confirm (ErrUnavailable: say, its pub/sub
-// connection was reset that moment) is tried again after retryDelay until
-// the wait ends, as a failed re-read is, rather than answering the waiter
-// ErrInFlight long before WaitTimeout.
-func (g *Guard) subscribe(wctx context.Context, k Key) (Subscription, error) {
-	var failed error // the last attempt's, when it failed with ErrUnavailable
-	for failures := 0; ; failures++ {
-		sctx, cancel := g.bounded(wctx)
-		wake, err := g.store.Subscribe(sctx, k)
-		cancel()
-		err = g.cutOff(wctx, sctx, "subscribe", err)
-		switch {
-		case err == nil:
-			return wake, nil
-		case wctx.Err() != nil && failed != nil:
-			// The wait ended during a retry: the store's failure is the
-			// answer, not the wait's end.
-			return nil, failed
-		case wctx.Err() != nil || !errors.Is(err, ErrUnavailable):
-			return nil, err
-		}
-		failed = err
-		retry := time.NewTimer(g.retryDelay(failures))
-		select {
-		case <-retry.C:
-		case <-wctx.Done():
-			retry.Stop()
-			return nil, err
-		}
-	}
-}
-
-// retryDelay is how long a waiter waits before it tries again a re-read or
-// a subscription that failed failures+1 times in a row.
-func (g *Guard) retryDelay(failures int) time.Duration {
-	return min(g.opts.RecheckInterval, rereadBackoff<<min(failures, 4))
+	return c, sent, nil
 }
 
 // claimOnce makes one claim, bounded by Options.ClaimTimeout.
@@ -572,22 +473,6 @@ func (g *Guard) cutOff(ctx, bctx context.Context, what string, err error) error 
 
 // errCutOff marks a call that Options.ClaimTimeout cut off.
 var errCutOff = errors.New("unanswered within Options.ClaimTimeout")
-
-// rereadBackoff is how long a waiter waits, unless woken, before it tries a
-// re-read or a subscription that failed once more; it doubles with each
-// failure in a row up to 16 times itself (800ms), and never exceeds
-// RecheckInterval.
-const rereadBackoff = 50 * time.Millisecond
-
-func claimErr(c Claim, err error) error {
-	if err != nil {
-		return err
-	}
-	if c.State == Mismatch {
-		return ErrMismatch
-	}
-	return nil
-}
 
 // Info describes the attempt that is running an operation; fn and HTTP
 // handlers get it with FromContext.

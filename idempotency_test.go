@@ -72,7 +72,7 @@ func TestMaxWaiters(t *testing.T) {
 		assert.NoError(t, err, "the waiter")
 		waiter <- r
 	}()
-	require.Eventually(t, func() bool { return len(g.waiters) == 1 }, 5*time.Second, time.Millisecond, "the first duplicate never waited")
+	require.Eventually(t, func() bool { return len(g.waiting) == 1 }, 5*time.Second, time.Millisecond, "the first duplicate never waited")
 	ops, waiting := g.InFlight()
 	assert.Equal(t, [2]int{1, 1}, [2]int{ops, waiting}, "InFlight while the original runs and one waits")
 

@@ -58,19 +58,16 @@ func (m *migratingStore) Claim(ctx context.Context, req ClaimRequest) (Claim, er
 	// it gets this far: ask the old store, which may know the key from
 	// before the migration. A takeover asks too, in case the record was
 	// left in the new store half-way through an earlier step.
-	fresh := c.Attempt == 1 && c.OperationID == req.OperationID
 	// Whatever this claim ends with, the record it took in the new store
 	// must not stay taken: undo even when ctx is done, within a lease.
 	undo, cancel := context.WithTimeout(context.WithoutCancel(ctx), req.Lease)
 	defer cancel()
-	giveBack := func() error { return untake(undo, m.new, req.Key, c.Token, fresh) }
 	asOld := req
 	asOld.OperationID = c.OperationID
 	o, err := m.old.Claim(ctx, asOld)
-	if err != nil {
-		return Claim{}, errors.Join(err, giveBack())
-	}
 	switch {
+	case err != nil:
+		return Claim{}, errors.Join(err, giveBack(undo, m.new, req.Key, c))
 	case o.State == Completed:
 		// Bring the outcome over; from now on the new store answers.
 		if err := m.new.Complete(undo, req.Key, c.Token, o.Response, req.Retention); err != nil {
@@ -79,8 +76,17 @@ func (m *migratingStore) Claim(ctx context.Context, req ClaimRequest) (Claim, er
 		return o, nil
 	case o.State != Owner:
 		// In flight or mismatched in the old store: that answer stands.
-		return o, giveBack()
-	case o.OperationID != c.OperationID:
+		return o, giveBack(undo, m.new, req.Key, c)
+	}
+	return m.adopt(ctx, undo, req, c, o)
+}
+
+// adopt makes the caller, owner c of the record in the new store and o in
+// the old, the one owner of the key: with the old attempt's operation ID,
+// attempt count and abandonment, and the old record given back unless
+// DualWrite keeps it.
+func (m *migratingStore) adopt(ctx, undo context.Context, req ClaimRequest, c, o Claim) (Claim, error) {
+	if o.OperationID != c.OperationID {
 		// The old store's attempt was released or abandoned: carry its
 		// operation ID over, so that its downstream keys stay the same.
 		if err := m.new.Forget(undo, req.Key, c.Token); err != nil {
@@ -88,29 +94,21 @@ func (m *migratingStore) Claim(ctx context.Context, req ClaimRequest) (Claim, er
 		}
 		moved := req
 		moved.OperationID = o.OperationID
+		var err error
 		if c, err = m.new.Claim(ctx, moved); err != nil || c.State != Owner {
 			return c, errors.Join(err, m.old.Release(undo, req.Key, o.Token))
 		}
 	}
-	if o.Attempt > c.Attempt {
-		c.Attempt = o.Attempt
-	}
+	c.Attempt = max(c.Attempt, o.Attempt)
 	c.Abandoned = c.Abandoned || o.Abandoned
 	if m.opts.DualWrite {
 		m.remember(req.Key, c.Token, o.Token)
 		return c, nil
 	}
-	// Leave the old store as it was: without the record, or released.
-	return c, untake(undo, m.old, req.Key, o.Token, o.Attempt == 1)
-}
-
-// untake gives back a record that a claim took only to look at it: a record
-// the claim made is forgotten, any other released.
-func untake(ctx context.Context, s Store, k Key, token uint64, made bool) error {
-	if made {
-		return s.Forget(ctx, k, token)
-	}
-	return s.Release(ctx, k, token)
+	// Leave the old store without the record, or with it released: the new
+	// owner carries on whether the old attempt was abandoned.
+	o.Abandoned = false
+	return c, giveBack(undo, m.old, req.Key, o)
 }
 
 func (m *migratingStore) remember(k Key, token, old uint64) {

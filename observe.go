@@ -210,6 +210,8 @@ type Event struct {
 type callState struct {
 	start         time.Time
 	method, route string
+	failOpen      func()  // runs the operation unguarded (see Guard.call); nil: never
+	decided       Outcome // the outcome, when the transport or failOpen decided it
 	waited        time.Duration
 	op            string // the store call that failed, if one did
 	disposition   Disposition
@@ -217,8 +219,16 @@ type callState struct {
 	attempt       int
 	recovered     bool // Options.Recover settled the record
 	unknown       bool // Options.Recover could not tell
-	failedOpen    bool
-	rejected      bool // the middleware refused the request before the store
+}
+
+// newCall starts the callState of a call made for the HTTP method and route
+// ("" for Do), timed when there is an Observer to tell.
+func (g *Guard) newCall(method, route string) callState {
+	t := callState{method: method, route: route}
+	if g.opts.Observer != nil {
+		t.start = time.Now()
+	}
+	return t
 }
 
 // observe tells the Guard's Observer of e, if it has one.
@@ -242,12 +252,8 @@ func (g *Guard) report(ctx context.Context, scope string, t *callState, res Resu
 // away is no store outage, and an outage during a wait is an outage.
 func (t *callState) outcome(ctx context.Context, res Result, err error) Outcome {
 	switch {
-	case t.failedOpen:
-		return OutcomeFailedOpen
-	case t.rejected && (errors.Is(err, ErrInvalidKey) || errors.Is(err, errKeyMissing) || errors.Is(err, errKeyRepeated)):
-		return OutcomeInvalidKey
-	case t.rejected:
-		return OutcomeRejected
+	case t.decided != 0:
+		return t.decided
 	case err == nil && res.Replayed && t.recovered:
 		return OutcomeRecovered
 	case err == nil && res.Replayed && t.waited > 0:

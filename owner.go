@@ -80,7 +80,7 @@ func (g *Guard) own(ctx context.Context, k Key, c Claim, sent time.Time) (*owner
 		go func() {
 			bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), lease)
 			defer cancel()
-			_ = g.apply(bctx, k, c.Token, Response{}, untouched(c))
+			_ = giveBack(bctx, g.store, k, c)
 		}()
 		return nil, fmt.Errorf("%w: %w, %v after it was sent", ErrUnavailable, errLateClaim, now.Sub(sent).Round(time.Millisecond))
 	}
@@ -112,6 +112,18 @@ func untouched(c Claim) Disposition {
 		return Forget
 	}
 	return Release
+}
+
+// giveBack gives the record of k back to s as untouched says, for the owner
+// that claim c made, when it acted on nothing.
+func giveBack(ctx context.Context, s Store, k Key, c Claim) error {
+	switch untouched(c) {
+	case abandon:
+		return s.Abandon(ctx, k, c.Token)
+	case Forget:
+		return s.Forget(ctx, k, c.Token)
+	}
+	return s.Release(ctx, k, c.Token)
 }
 
 // close ends the owner, whatever became of the record: no renewal is sent

@@ -144,7 +144,7 @@ type RedisStore struct {
 	prefix  string
 	publish any // the command that wakes waiters, run by the scripts; boxed once
 	scripts scripts
-	waiters *waiters
+	pubsub  *pubsub
 	batch   *batcher
 	// confirmed holds, with Replicas set, the batcher of each master (a
 	// *redis.Client) whose batches end with a WAIT for replicas.
@@ -204,25 +204,9 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 		tag := s.bucketTag(uint32(b))
 		s.buckets[b] = bucketKeys{seq: tag + "seq", leases: tag + "leases"}
 	}
-	var readTimeout time.Duration
-	switch c := c.(type) {
-	case *redis.ClusterClient:
-		s.publish, s.waiters, s.master, s.reload = "SPUBLISH", newShardedWaiters(c), c.MasterForKey, c.ReloadState
-		// Not endsByDeadline: with ContextTimeoutEnabled, go-redis v9.23
-		// gives the lookup of its command table, until one succeeds, a 5s
-		// deadline of its own instead of the call's.
-		readTimeout = c.Options().ReadTimeout
-	case *redis.Client:
-		s.publish, s.waiters = "PUBLISH", newWaiters(c)
-		s.master = func(context.Context, string) (*redis.Client, error) { return c, nil }
-		s.reload = func(context.Context) {}
-		// A timeout below 0 (the option's -2) has go-redis set no socket
-		// deadline at all, the context's neither.
-		opt := c.Options()
-		readTimeout = opt.ReadTimeout
-		s.endsByDeadline = opt.ContextTimeoutEnabled && opt.ReadTimeout >= 0 && opt.WriteTimeout >= 0
-	default:
-		return nil, fmt.Errorf("idempotency: NewRedisStore needs a *redis.Client or a *redis.ClusterClient, not %T", c)
+	readTimeout, err := s.useClient(c)
+	if err != nil {
+		return nil, err
 	}
 	// WAIT is read, pipelined, within the client's ReadTimeout; a read that
 	// times out would have go-redis run the script again.
@@ -232,9 +216,36 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 	return s, nil
 }
 
+// useClient sets what s does differently on a cluster, and returns the
+// client's ReadTimeout. Only the concrete clients are accepted: s finds the
+// server that holds a record, and so where to listen for its wake-ups,
+// through them.
+func (s *RedisStore) useClient(c redis.UniversalClient) (readTimeout time.Duration, err error) {
+	switch c := c.(type) {
+	case *redis.ClusterClient:
+		s.publish, s.pubsub, s.master, s.reload = "SPUBLISH", newShardedPubsub(c), c.MasterForKey, c.ReloadState
+		// Not endsByDeadline: with ContextTimeoutEnabled, go-redis v9.23
+		// gives the lookup of its command table, until one succeeds, a 5s
+		// deadline of its own instead of the call's.
+		readTimeout = c.Options().ReadTimeout
+	case *redis.Client:
+		s.publish, s.pubsub = "PUBLISH", newPubsub(c)
+		s.master = func(context.Context, string) (*redis.Client, error) { return c, nil }
+		s.reload = func(context.Context) {}
+		// A timeout below 0 (the option's -2) has go-redis set no socket
+		// deadline at all, the context's neither.
+		opt := c.Options()
+		readTimeout = opt.ReadTimeout
+		s.endsByDeadline = opt.ContextTimeoutEnabled && opt.ReadTimeout >= 0 && opt.WriteTimeout >= 0
+	default:
+		return 0, fmt.Errorf("idempotency: NewRedisStore needs a *redis.Client or a *redis.ClusterClient, not %T", c)
+	}
+	return readTimeout, nil
+}
+
 // Close releases the store's pub/sub connections; it does not close the
 // client. Waiters still waiting fall back to re-reading on a timer.
-func (s *RedisStore) Close() error { return s.waiters.close() }
+func (s *RedisStore) Close() error { return s.pubsub.close() }
 
 // Claim implements Store. With RedisOptions.Replicas set, a claim that
 // makes the caller the owner is confirmed by as many replicas before it is
@@ -278,15 +289,14 @@ func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error)
 // giveUp ends an owner's claim that was not confirmed, before anything ran
 // (see Claim). Should it fail, the lease runs out instead.
 func (s *RedisStore) giveUp(ctx context.Context, k Key, c Claim) {
-	if c.Abandoned {
+	d := untouched(c)
+	if d == abandon {
 		_ = s.Abandon(ctx, k, c.Token)
 		return
 	}
 	// Not Release or Forget: their wait for replicas would fail as the
-	// claim's did. A record this claim made is deleted, one it took over
-	// released.
-	made := c.Attempt == 1
-	_ = s.scripts.release.run(ctx, s.c, s.releaseArgs(k, c.Token, made))
+	// claim's did. The release script forgets or releases as d says.
+	_ = s.scripts.release.run(ctx, s.c, s.releaseArgs(k, c.Token, d == Forget))
 }
 
 // eval runs sc with args (made by sc.args) on the record they name,
@@ -504,7 +514,7 @@ func (s *RedisStore) renew(ctx context.Context, k Key, token uint64, lease time.
 // Subscribe implements Store: the record's key is also its channel.
 func (s *RedisStore) Subscribe(ctx context.Context, k Key) (Subscription, error) {
 	rec, _ := s.recordKey(k)
-	sub, err := s.waiters.subscribe(ctx, rec)
+	sub, err := s.pubsub.subscribe(ctx, rec)
 	if err != nil {
 		return nil, storeerr.Unavailable("subscribe", err)
 	}

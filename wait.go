@@ -3,431 +3,182 @@ package idempotency
 import (
 	"context"
 	"errors"
-	"maps"
-	"net"
-	"slices"
-	"sync"
+	"fmt"
 	"time"
-
-	"github.com/redis/go-redis/v9"
-
-	"github.com/idempotency-go/idempotency/internal/wakeup"
 )
 
-// waiters multiplexes every waiter of one store over pub/sub connections,
-// one per node: the server itself on standalone Redis (SUBSCRIBE), each
-// master on a cluster (SSUBSCRIBE: a sharded channel is served only by the
-// master of its slot, and one SSUBSCRIBE may name channels of one slot
-// only). Each connection is a waitHub.
+// waiter is a duplicate waiting for the original in flight under its key. It
+// keeps three rules:
 //
-// No wake-up may be lost. A waiter is told it is subscribed only once Redis
-// has confirmed its subscription; the Guard re-reads the record after that,
-// so a completion either precedes the re-read or is published to a
-// confirmed subscriber. Whenever a subscription may have missed a message
-// (its connection failed, or its slot moved to another master, which then
-// drops the channel with an unasked SUNSUBSCRIBE), its waiters are
-// subscribed again, on a fresh hub of the slot's current master, and woken
-// once that is confirmed: they re-read, and the invariant holds again.
-type waiters struct {
-	// locate names the node serving channel, and the client to subscribe
-	// through.
-	locate func(ctx context.Context, channel string) (node string, c redis.UniversalClient, err error)
-	// reload refreshes the client's view of which node serves which slot.
-	reload     func(ctx context.Context)
-	sub, unsub func(ps *redis.PubSub, ctx context.Context, channels ...string) error
-
-	mu     sync.Mutex
-	hubs   map[string]*waitHub // by node
-	closed bool
-	quit   chan struct{}  // closed by close: stops re-subscribing
-	wg     sync.WaitGroup // dispatchers and re-subscribers
-}
-
-// hubPing is how long a hub's connection may stay silent before it is
-// pinged; silent for as long again, it counts as failed.
-const hubPing = 3 * time.Second
-
-// Re-subscribing waits rehomeBackoff, doubling up to 16 times that, between
-// attempts. A channel that left a node because its slot moved avoids that
-// node for its first rehomeAvoid attempts (0.75s), while the client's slot
-// map catches up with the move; subscribing there would be refused, and
-// retire the node's hub.
-const (
-	rehomeBackoff = 50 * time.Millisecond
-	rehomeAvoid   = 5
-)
-
-var errHubFailing = errors.New("pub/sub connection keeps failing")
-
-// newWaiters returns the waiters of a standalone or Sentinel client: plain
-// pub/sub on its one server.
-func newWaiters(c redis.UniversalClient) *waiters {
-	return &waiters{
-		locate: func(context.Context, string) (string, redis.UniversalClient, error) { return "", c, nil },
-		reload: func(context.Context) {},
-		sub:    (*redis.PubSub).Subscribe,
-		unsub:  (*redis.PubSub).Unsubscribe,
-		hubs:   make(map[string]*waitHub),
-		quit:   make(chan struct{}),
-	}
-}
-
-// newShardedWaiters returns the waiters of a cluster: sharded pub/sub on the
-// master of each channel's slot.
-func newShardedWaiters(cc *redis.ClusterClient) *waiters {
-	return &waiters{
-		locate: func(ctx context.Context, channel string) (string, redis.UniversalClient, error) {
-			n, err := cc.MasterForKey(ctx, channel)
-			if err != nil {
-				return "", nil, err
-			}
-			return n.Options().Addr, n, nil
-		},
-		reload: cc.ReloadState,
-		sub:    (*redis.PubSub).SSubscribe,
-		unsub:  (*redis.PubSub).SUnsubscribe,
-		hubs:   make(map[string]*waitHub),
-		quit:   make(chan struct{}),
-	}
-}
-
-// waitHub is one pub/sub connection: a channel is subscribed while at least
-// one waiter waits on it. Confirmations are counted per channel, and
-// (un)subscriptions are sent under the hub's lock so the wire order is the
-// order decided here: a confirmation of an earlier SUBSCRIBE, followed by an
-// UNSUBSCRIBE still on its way, can never pass for a new waiter's.
+//   - No wake-up is lost: it subscribes before it re-reads, so a completion
+//     lands before a re-read, which sees it, or after, and wakes it.
+//   - The wait is bounded: it ends after Options.WaitTimeout with an error
+//     matching ErrInFlight, and the request never runs beside the original.
+//   - An owner that stopped renewing is taken over: a re-read is due when
+//     its lease runs out, and that claim takes the record over.
 //
-// A hub never recovers from a failure: a connection that failed may have
-// missed messages, and go-redis's own resubscription sends every channel in
-// one SSUBSCRIBE, which a cluster refuses when they span slots. On any
-// error the hub retires and its waiters move to a fresh one.
-type waitHub struct {
-	w    *waiters
-	node string
-	ps   *redis.PubSub
-
-	mu    sync.Mutex
-	chans map[string]*waitChannel // nil once retired
+// A waiter lives on its caller's goroutine.
+type waiter struct {
+	g        *Guard
+	req      ClaimRequest // Watch set: the record remembers that someone waits
+	t        *callState
+	wake     Subscription
+	reread   *time.Timer // when the next re-read is due without a wake-up
+	sent     time.Time   // when the re-read that gave the last answer was sent
+	failed   error       // the last re-read's error, when it failed
+	failures int         // re-reads failed in a row
 }
 
-type waitChannel struct {
-	pending int // SUBSCRIBEs sent and not yet confirmed
-	leaving int // UNSUBSCRIBEs sent and not yet confirmed
-	waiters map[*redisSub]struct{}
-}
-
-type redisSub struct {
-	name  string
-	c     wakeup.Signal
-	ready chan struct{} // closed once the first subscription is confirmed
-
-	// mu orders joining a hub against Close, so that a waiter that is
-	// being moved to another hub is never left behind in it.
-	mu     sync.Mutex
-	hub    *waitHub
-	closed bool
-}
-
-func (s *redisSub) C() <-chan struct{} { return s.c }
-
-func (s *redisSub) Close() {
-	s.mu.Lock()
-	h := s.hub
-	s.hub, s.closed = nil, true
-	s.mu.Unlock()
-	if h != nil {
-		h.leave(s)
-	}
-}
-
-// subscribe returns once name is confirmed subscribed for the new waiter.
-func (w *waiters) subscribe(ctx context.Context, name string) (*redisSub, error) {
-	s := &redisSub{name: name, c: wakeup.NewSignal(), ready: make(chan struct{})}
-	node, c, err := w.locate(ctx, name)
-	if err == nil {
-		err = w.place(ctx, s, node, c)
-	}
-	if err != nil {
-		return nil, err
+// wait waits for the original of req, found in flight, and returns the claim
+// that ends the wait: a completion to replay, or ownership once the original
+// released the record or its lease ran out. sent is when that claim was sent.
+func (g *Guard) wait(ctx context.Context, req ClaimRequest, t *callState) (c Claim, sent time.Time, err error) {
+	if g.opts.WaitTimeout < 0 {
+		return Claim{}, time.Time{}, ErrInFlight
 	}
 	select {
-	case <-s.ready:
-		return s, nil
-	case <-ctx.Done():
-		s.Close()
-		return nil, ctx.Err()
-	}
-}
-
-// place adds s to the hub of node, made on c if there is none. It does
-// nothing to a closed waiter.
-func (w *waiters) place(ctx context.Context, s *redisSub, node string, c redis.UniversalClient) error {
-	// A hub that retired between being found and being joined is replaced
-	// once; a second one failing as fast means the node is failing.
-	for range 2 {
-		h, err := w.hub(node, c)
-		if err != nil {
-			return err
-		}
-		s.mu.Lock()
-		if s.closed {
-			s.mu.Unlock()
-			return nil
-		}
-		joined, err := h.join(ctx, s)
-		if joined {
-			s.hub = h
-		}
-		s.mu.Unlock()
-		if joined || err != nil {
-			return err
-		}
-		w.drop(h)
-	}
-	return errHubFailing
-}
-
-// hub returns the live hub of node, starting one on c if there is none.
-func (w *waiters) hub(node string, c redis.UniversalClient) (*waitHub, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.closed {
-		return nil, redis.ErrClosed
-	}
-	if h := w.hubs[node]; h != nil {
-		return h, nil
-	}
-	h := &waitHub{w: w, node: node, ps: c.Subscribe(context.Background()), chans: make(map[string]*waitChannel)}
-	w.hubs[node] = h
-	w.wg.Add(1)
-	go h.dispatch()
-	return h, nil
-}
-
-// drop forgets h as its node's hub.
-func (w *waiters) drop(h *waitHub) {
-	w.mu.Lock()
-	if w.hubs[h.node] == h {
-		delete(w.hubs, h.node)
-	}
-	w.mu.Unlock()
-}
-
-// rehome subscribes subs, the waiters of channel name, on a fresh hub of the
-// channel's current master, retrying until it succeeds or they close; the
-// confirmation wakes them. Until then they rely on their re-check timers.
-// avoid, when set, is the node the channel's slot just left.
-func (w *waiters) rehome(name string, subs []*redisSub, avoid string) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.closed {
-		return
-	}
-	w.wg.Add(1)
-	go func() {
-		defer w.wg.Done()
-		ctx := context.Background()
-		for attempt := 0; len(subs) > 0; attempt++ {
-			if attempt > 0 {
-				select {
-				case <-time.After(rehomeBackoff << min(attempt-1, 4)):
-				case <-w.quit:
-					return
-				}
-			}
-			w.reload(ctx)
-			node, c, err := w.locate(ctx, name)
-			if err != nil || (avoid != "" && node == avoid && attempt < rehomeAvoid) {
-				continue
-			}
-			subs = slices.DeleteFunc(subs, func(s *redisSub) bool { return w.place(ctx, s, node, c) == nil })
-		}
-	}()
-}
-
-// join adds s to its channel's waiters, subscribing the channel if s is its
-// first. It reports false when the hub has retired, or when sending failed,
-// which retires it.
-func (h *waitHub) join(ctx context.Context, s *redisSub) (bool, error) {
-	h.mu.Lock()
-	if h.chans == nil {
-		h.mu.Unlock()
-		return false, nil
-	}
-	ch := h.chans[s.name]
-	if ch == nil {
-		ch = &waitChannel{waiters: make(map[*redisSub]struct{})}
-		h.chans[s.name] = ch
-	}
-	ch.waiters[s] = struct{}{}
-	var err error
-	switch {
-	case len(ch.waiters) == 1:
-		ch.pending++
-		// Not cancelled with ctx: go-redis drops a connection whose write
-		// was interrupted, which would retire the hub for every waiter.
-		if err = h.w.sub(h.ps, context.WithoutCancel(ctx), s.name); err != nil {
-			ch.pending--
-			delete(ch.waiters, s)
-			h.forget(s.name, ch)
-		}
-	case ch.pending == 0:
-		confirmed(s)
-	}
-	h.mu.Unlock()
-	if err != nil {
-		h.retire()
-		return false, err
-	}
-	return true, nil
-}
-
-// leave removes a waiter, unsubscribing its channel when it was the last.
-func (h *waitHub) leave(s *redisSub) {
-	h.mu.Lock()
-	ch := h.chans[s.name]
-	if ch == nil {
-		h.mu.Unlock() // retired
-		return
-	}
-	if _, ok := ch.waiters[s]; !ok {
-		h.mu.Unlock() // moved to another hub
-		return
-	}
-	delete(ch.waiters, s)
-	var err error
-	if len(ch.waiters) == 0 {
-		ch.leaving++
-		if err = h.w.unsub(h.ps, context.Background(), s.name); err != nil {
-			ch.leaving--
-		}
-	}
-	h.forget(s.name, ch)
-	h.mu.Unlock()
-	if err != nil {
-		h.retire()
-	}
-}
-
-// forget drops a channel's entry once nothing about it is outstanding.
-func (h *waitHub) forget(name string, ch *waitChannel) {
-	if len(ch.waiters) == 0 && ch.pending == 0 && ch.leaving == 0 {
-		delete(h.chans, name)
-	}
-}
-
-// dispatch turns pub/sub traffic into wake-ups until the connection fails
-// or the hub retires.
-func (h *waitHub) dispatch() {
-	defer h.w.wg.Done()
-	defer h.retire()
-	ctx := context.Background()
-	pinged := false
-	for {
-		m, err := h.ps.ReceiveTimeout(ctx, hubPing)
-		if err != nil {
-			var ne net.Error
-			if pinged || !errors.As(err, &ne) || !ne.Timeout() || h.ps.Ping(ctx) != nil {
-				return
-			}
-			pinged = true
-			continue
-		}
-		pinged = false
-		h.handle(m)
-	}
-}
-
-func (h *waitHub) handle(m any) {
-	var moved []*redisSub
-	var name string
-	h.mu.Lock()
-	switch m := m.(type) {
-	case *redis.Message:
-		if ch := h.chans[m.Channel]; ch != nil {
-			for s := range ch.waiters {
-				s.c.Wake()
-			}
-		}
-	case *redis.Subscription:
-		ch := h.chans[m.Channel]
-		if ch == nil {
-			break
-		}
-		switch m.Kind {
-		case "subscribe", "ssubscribe":
-			if ch.pending > 0 {
-				ch.pending--
-			}
-			if ch.pending == 0 {
-				for s := range ch.waiters {
-					confirmed(s)
-				}
-			}
-		case "unsubscribe", "sunsubscribe":
-			if ch.leaving > 0 {
-				ch.leaving--
-				break
-			}
-			// Unasked: the node no longer serves the channel's slot.
-			name, moved = m.Channel, slices.Collect(maps.Keys(ch.waiters))
-			clear(ch.waiters)
-		}
-		h.forget(m.Channel, ch)
-	}
-	h.mu.Unlock()
-	if len(moved) > 0 {
-		h.w.rehome(name, moved, h.node)
-	}
-}
-
-// retire closes the hub's connection and moves its waiters to fresh hubs.
-func (h *waitHub) retire() error {
-	h.mu.Lock()
-	chans := h.chans
-	h.chans = nil
-	h.mu.Unlock()
-	if chans == nil {
-		return nil
-	}
-	h.w.drop(h)
-	err := h.ps.Close()
-	for name, ch := range chans {
-		if len(ch.waiters) > 0 {
-			h.w.rehome(name, slices.Collect(maps.Keys(ch.waiters)), "")
-		}
-	}
-	return err
-}
-
-// confirmed tells s that its subscription is confirmed: a new waiter
-// returns from subscribe; one that was subscribed before has missed what
-// was published meanwhile, so it re-reads.
-func confirmed(s *redisSub) {
-	select {
-	case <-s.ready:
-		s.c.Wake()
+	case g.waiting <- struct{}{}:
+		defer func() { <-g.waiting }()
 	default:
-		close(s.ready)
+		return Claim{}, time.Time{}, fmt.Errorf("%w: %d requests already waiting", ErrInFlight, cap(g.waiting))
+	}
+	start := time.Now()
+	ctx, endWait := g.startPhase(ctx, PhaseWait, PhaseStart{Scope: req.Key.Scope})
+	defer func() {
+		t.waited = time.Since(start)
+		endWait(err)
+	}()
+	w := &waiter{g: g, req: req, t: t}
+	w.req.Watch = true
+	wctx, cancel := context.WithTimeout(ctx, g.opts.WaitTimeout)
+	defer cancel()
+	if w.wake, err = g.subscribe(wctx, req.Key); err != nil {
+		return Claim{}, time.Time{}, w.unsubscribed(ctx, wctx, err)
+	}
+	defer w.wake.Close()
+	w.reread = time.NewTimer(g.opts.RecheckInterval)
+	defer w.reread.Stop()
+	return w.run(ctx, wctx)
+}
+
+// unsubscribed is the error of a wait whose subscription failed: a wait
+// that ended before the store confirmed it simply timed out.
+func (w *waiter) unsubscribed(ctx, wctx context.Context, err error) error {
+	if wctx.Err() != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, errCutOff) {
+		return ErrInFlight
+	}
+	w.t.op = OpSubscribe
+	return errors.Join(ErrInFlight, err)
+}
+
+// run re-reads the record whenever it is woken or a re-read is due, until
+// the record is no longer in flight or the wait (wctx, within ctx) ends.
+func (w *waiter) run(ctx, wctx context.Context) (Claim, time.Time, error) {
+	for {
+		c, done, err := w.claim(ctx)
+		if done {
+			return c, w.sent, err
+		}
+		select {
+		case <-w.wake.C():
+		case <-w.reread.C:
+		case <-wctx.Done():
+			return c, w.sent, w.timedOut(ctx)
+		}
 	}
 }
 
-// close retires every hub; waiters still waiting fall back to their
-// re-check timers.
-func (w *waiters) close() error {
-	w.mu.Lock()
-	if w.closed {
-		w.mu.Unlock()
-		return nil
+// claim re-reads the record with a claim (the same operation ID, Watch set)
+// and arms the next re-read. done reports that the wait is over, with the
+// claim as its answer or with err.
+//
+// The claim is bounded by ctx and ClaimTimeout, not by the wait's end: a
+// claim cut short by the wait's deadline might still take the record on the
+// server, leaving an owner nobody knows of. ClaimTimeout cuts short only a
+// claim the store does not answer, and the next re-read, with the same
+// operation ID, finds such a claim again on Redis; its lease then counts
+// from the earliest unanswered send, the server's deadline being that
+// send's.
+func (w *waiter) claim(ctx context.Context) (c Claim, done bool, err error) {
+	if w.failed == nil {
+		w.sent = time.Now()
 	}
-	w.closed = true
-	close(w.quit)
-	hubs := slices.Collect(maps.Values(w.hubs))
-	w.mu.Unlock()
-	var errs []error
-	for _, h := range hubs {
-		errs = append(errs, h.retire())
+	c, err = w.g.claimOnce(ctx, w.req)
+	switch {
+	case err != nil && (ctx.Err() != nil || !errors.Is(err, ErrUnavailable)):
+		w.t.op = OpClaim
+		return c, true, errors.Join(ErrInFlight, err)
+	case err != nil:
+		// A re-read the store could not answer (a connection reset, a
+		// reply lost) is tried again until the wait ends. The original is
+		// known to be running, so the error always matches ErrInFlight.
+		w.failed = err
+		w.reread.Reset(w.g.retryDelay(w.failures))
+		w.failures++
+	case c.State == Mismatch:
+		return c, true, ErrMismatch
+	case c.State != InFlight:
+		return c, true, nil
+	default:
+		w.failed, w.failures = nil, 0
+		// An owner that stopped renewing is taken over as soon as its
+		// lease runs out, rather than at the next regular re-read.
+		w.reread.Reset(min(w.g.opts.RecheckInterval, c.LeaseLeft+time.Millisecond))
 	}
-	w.wg.Wait()
-	return errors.Join(errs...)
+	return c, false, nil
 }
+
+// timedOut is the error of a wait that ended before the original did.
+func (w *waiter) timedOut(ctx context.Context) error {
+	switch {
+	case ctx.Err() != nil:
+		return ctx.Err()
+	case w.failed != nil:
+		w.t.op = OpClaim
+		return errors.Join(ErrInFlight, w.failed)
+	}
+	return ErrInFlight
+}
+
+// subscribe subscribes to k's wake-ups for a wait that ends with wctx. A
+// subscription the store could not confirm (ErrUnavailable: say, its pub/sub
+// connection was reset that moment) is tried again after retryDelay until
+// the wait ends, as a failed re-read is, rather than answering the waiter
+// ErrInFlight long before WaitTimeout.
+func (g *Guard) subscribe(wctx context.Context, k Key) (Subscription, error) {
+	var failed error // the last attempt's, when it failed with ErrUnavailable
+	for failures := 0; ; failures++ {
+		sctx, cancel := g.bounded(wctx)
+		wake, err := g.store.Subscribe(sctx, k)
+		cancel()
+		err = g.cutOff(wctx, sctx, "subscribe", err)
+		switch {
+		case err == nil:
+			return wake, nil
+		case wctx.Err() != nil && failed != nil:
+			// The wait ended during a retry: the store's failure is the
+			// answer, not the wait's end.
+			return nil, failed
+		case wctx.Err() != nil || !errors.Is(err, ErrUnavailable):
+			return nil, err
+		}
+		failed = err
+		retry := time.NewTimer(g.retryDelay(failures))
+		select {
+		case <-retry.C:
+		case <-wctx.Done():
+			retry.Stop()
+			return nil, err
+		}
+	}
+}
+
+// retryDelay is how long a waiter waits before it tries again a re-read or
+// a subscription that failed failures+1 times in a row: rereadBackoff,
+// doubling with each failure up to 16 times itself, and never more than
+// RecheckInterval.
+func (g *Guard) retryDelay(failures int) time.Duration {
+	return min(g.opts.RecheckInterval, rereadBackoff<<min(failures, 4))
+}
+
+const rereadBackoff = 50 * time.Millisecond

@@ -147,59 +147,76 @@ func NewObserver(opts Options) (*Observer, error) {
 	if tp == nil {
 		tp = otel.GetTracerProvider()
 	}
-	meter := mp.Meter(ScopeName, metric.WithSchemaURL(semconv.SchemaURL))
+	m := &instruments{meter: mp.Meter(ScopeName, metric.WithSchemaURL(semconv.SchemaURL))}
 	o := &Observer{tracer: tp.Tracer(ScopeName, trace.WithSchemaURL(semconv.SchemaURL))}
-	var errs []error
-	counter := func(name, unit, desc string) metric.Int64Counter {
-		c, err := meter.Int64Counter(name, metric.WithUnit(unit), metric.WithDescription(desc))
-		errs = append(errs, err)
-		if c == nil {
-			return noop.Int64Counter{}
-		}
-		return c
-	}
-	histogram := func(name, desc string) metric.Float64Histogram {
-		h, err := meter.Float64Histogram(name, metric.WithUnit("s"), metric.WithDescription(desc),
-			metric.WithExplicitBucketBoundaries(durationBuckets...))
-		errs = append(errs, err)
-		if h == nil {
-			return noop.Float64Histogram{}
-		}
-		return h
-	}
-	o.outcomes = counter("idempotency.outcomes", "{call}", "Calls of a Guard that ended, by outcome.")
-	o.callDuration = histogram("idempotency.call.duration", "Duration of the calls of a Guard, waits included.")
-	o.waitDuration = histogram("idempotency.wait.duration", "Time the calls that waited spent waiting for an original in flight.")
-	o.renewals = counter("idempotency.renewals", "{renewal}", "Renewals of an owner's lease that returned, confirmed or failed.")
-	o.renewalDuration = histogram("idempotency.renewal.duration", "Round trip of the renewals of an owner's lease.")
-	o.takeovers = counter("idempotency.takeovers", "{takeover}", "Claims that took a record over from an earlier attempt.")
-	o.sweepRecords = counter("idempotency.sweep.records", "{record}",
+	o.outcomes = m.counter("idempotency.outcomes", "{call}", "Calls of a Guard that ended, by outcome.")
+	o.callDuration = m.histogram("idempotency.call.duration", "Duration of the calls of a Guard, waits included.")
+	o.waitDuration = m.histogram("idempotency.wait.duration", "Time the calls that waited spent waiting for an original in flight.")
+	o.renewals = m.counter("idempotency.renewals", "{renewal}", "Renewals of an owner's lease that returned, confirmed or failed.")
+	o.renewalDuration = m.histogram("idempotency.renewal.duration", "Round trip of the renewals of an owner's lease.")
+	o.takeovers = m.counter("idempotency.takeovers", "{takeover}", "Claims that took a record over from an earlier attempt.")
+	o.sweepRecords = m.counter("idempotency.sweep.records", "{record}",
 		"Abandoned records that sweeps found, settled through Recover, and left for later.")
-	o.sweeps = counter("idempotency.sweeps", "{sweep}", "Sweeps of abandoned records that ended.")
-	upDown := func(name, unit, desc string) metric.Int64ObservableUpDownCounter {
-		c, err := meter.Int64ObservableUpDownCounter(name, metric.WithUnit(unit), metric.WithDescription(desc))
-		errs = append(errs, err)
-		if c == nil {
-			return noop.Int64ObservableUpDownCounter{}
-		}
-		return c
-	}
-	o.operations = upDown("idempotency.operation.count", "{operation}",
+	o.sweeps = m.counter("idempotency.sweeps", "{sweep}", "Sweeps of abandoned records that ended.")
+	o.operations = m.upDown("idempotency.operation.count", "{operation}",
 		"Operations that the tracked Guards run as the owner in this process now, Recover hooks and sweeps included.")
-	o.waiters = upDown("idempotency.waiter.count", "{call}",
+	o.waiters = m.upDown("idempotency.waiter.count", "{call}",
 		"Calls of the tracked Guards waiting for an original in flight now.")
-	_, err := meter.RegisterCallback(o.observeInFlight, o.operations, o.waiters)
-	errs = append(errs, err)
-	o.storeRecords, err = meter.Int64ObservableGauge("idempotency.store.records", metric.WithUnit("{record}"),
-		metric.WithDescription("Records in flight in the tracked stores, by state: in_flight (the owner's lease is live) "+
-			"or abandoned (the lease ran out unsettled; waiting for a retry or a sweep)."))
-	errs = append(errs, err)
-	if o.storeRecords == nil {
-		o.storeRecords = noop.Int64ObservableGauge{}
+	m.callback(o.observeInFlight, o.operations, o.waiters)
+	o.storeRecords = m.gauge("idempotency.store.records", "{record}",
+		"Records in flight in the tracked stores, by state: in_flight (the owner's lease is live) "+
+			"or abandoned (the lease ran out unsettled; waiting for a retry or a sweep).")
+	m.callback(o.observeStores, o.storeRecords)
+	return o, errors.Join(m.errs...)
+}
+
+// instruments makes an Observer's instruments on one meter, keeping every
+// error; an instrument the meter could not make is a no-op one.
+type instruments struct {
+	meter metric.Meter
+	errs  []error
+}
+
+func (m *instruments) counter(name, unit, desc string) metric.Int64Counter {
+	c, err := m.meter.Int64Counter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+	m.errs = append(m.errs, err)
+	if c == nil {
+		return noop.Int64Counter{}
 	}
-	_, err = meter.RegisterCallback(o.observeStores, o.storeRecords)
-	errs = append(errs, err)
-	return o, errors.Join(errs...)
+	return c
+}
+
+func (m *instruments) histogram(name, desc string) metric.Float64Histogram {
+	h, err := m.meter.Float64Histogram(name, metric.WithUnit("s"), metric.WithDescription(desc),
+		metric.WithExplicitBucketBoundaries(durationBuckets...))
+	m.errs = append(m.errs, err)
+	if h == nil {
+		return noop.Float64Histogram{}
+	}
+	return h
+}
+
+func (m *instruments) upDown(name, unit, desc string) metric.Int64ObservableUpDownCounter {
+	c, err := m.meter.Int64ObservableUpDownCounter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+	m.errs = append(m.errs, err)
+	if c == nil {
+		return noop.Int64ObservableUpDownCounter{}
+	}
+	return c
+}
+
+func (m *instruments) gauge(name, unit, desc string) metric.Int64ObservableGauge {
+	g, err := m.meter.Int64ObservableGauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
+	m.errs = append(m.errs, err)
+	if g == nil {
+		return noop.Int64ObservableGauge{}
+	}
+	return g
+}
+
+func (m *instruments) callback(f metric.Callback, of ...metric.Observable) {
+	_, err := m.meter.RegisterCallback(f, of...)
+	m.errs = append(m.errs, err)
 }
 
 // Track adds g's operations in flight and calls waiting, as Guard.InFlight
@@ -341,16 +358,26 @@ func (o *Observer) outcome(ctx context.Context, e idempotency.Event) {
 	}
 	// The set is made from a copy: NewSet sorts what it is given.
 	set := attribute.NewSet(append([]attribute.KeyValue(nil), attrs...)...)
-
 	if e.Attempt > 0 {
 		attrs = append(attrs, keyAttempt.Int(e.Attempt))
 	}
 	if e.Waited > 0 {
 		attrs = append(attrs, keyWaitDuration.Float64(e.Waited.Seconds()))
 	}
-	// The call's span, which StartPhase began, gets the outcome and ends
-	// with the phase; a call reported without one (a request the
-	// middleware refused before the store) gets a span after the fact.
+	ctx = o.endCall(ctx, e, attrs, end)
+
+	o.outcomes.Add(ctx, 1, metric.WithAttributeSet(set))
+	o.callDuration.Record(ctx, e.Duration.Seconds(), metric.WithAttributeSet(set))
+	if e.Waited > 0 {
+		o.waitDuration.Record(ctx, e.Waited.Seconds(), metric.WithAttributes(outcome))
+	}
+}
+
+// endCall gives the call's span, which StartPhase began and which ends with
+// the phase, the outcome's attributes and status; a call reported without
+// one (a request the middleware refused before the store) gets a span after
+// the fact, ended at end. It returns the context of that span.
+func (o *Observer) endCall(ctx context.Context, e idempotency.Event, attrs []attribute.KeyValue, end time.Time) context.Context {
 	span, live := ctx.Value(callSpanKey{}).(trace.Span)
 	if live {
 		span.SetAttributes(attrs...)
@@ -367,12 +394,7 @@ func (o *Observer) outcome(ctx context.Context, e idempotency.Event) {
 	if !live {
 		span.End(trace.WithTimestamp(end))
 	}
-
-	o.outcomes.Add(ctx, 1, metric.WithAttributeSet(set))
-	o.callDuration.Record(ctx, e.Duration.Seconds(), metric.WithAttributeSet(set))
-	if e.Waited > 0 {
-		o.waitDuration.Record(ctx, e.Waited.Seconds(), metric.WithAttributes(outcome))
-	}
+	return ctx
 }
 
 // callSpanKey marks, in a call's context, the span StartPhase began for

@@ -564,19 +564,7 @@ func (s *Store) listen(ctx context.Context) {
 // reconnect says that an earlier connection listened, and so that
 // notifications may have been lost since.
 func (s *Store) listenOnce(ctx context.Context, reconnect bool) (listened bool) {
-	var conn *pgx.Conn
-	err := func() error {
-		actx, cancel := context.WithTimeout(ctx, listenPing)
-		defer cancel()
-		pc, err := s.pool.Acquire(actx)
-		if err != nil {
-			return err
-		}
-		// Hijacked: a connection in LISTEN must not go back to the pool.
-		conn = pc.Hijack()
-		_, err = conn.Exec(actx, "LISTEN "+pgx.Identifier{s.opts.Channel}.Sanitize())
-		return err
-	}()
+	conn, err := s.dialListener(ctx)
 	if conn != nil {
 		defer func() {
 			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
@@ -617,6 +605,22 @@ func (s *Store) listenOnce(ctx context.Context, reconnect bool) (listened bool) 
 			return true
 		}
 	}
+}
+
+// dialListener takes a connection of its own from the pool and has it
+// LISTEN, within listenPing. It returns the connection whenever it got one,
+// for the caller to close, even with an error.
+func (s *Store) dialListener(ctx context.Context) (*pgx.Conn, error) {
+	actx, cancel := context.WithTimeout(ctx, listenPing)
+	defer cancel()
+	pc, err := s.pool.Acquire(actx)
+	if err != nil {
+		return nil, err
+	}
+	// Hijacked: a connection in LISTEN must not go back to the pool.
+	conn := pc.Hijack()
+	_, err = conn.Exec(actx, "LISTEN "+pgx.Identifier{s.opts.Channel}.Sanitize())
+	return conn, err
 }
 
 // waitNotification waits for a notification on conn for at most
