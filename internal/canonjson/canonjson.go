@@ -559,59 +559,70 @@ func decimal(tok []byte) (neg bool, hi, lo []byte, point int64) {
 // ECMAScript form of the nearest double. It fails when tok is not an RFC 8259
 // number or is too large for a double.
 func appendNumber(dst, tok []byte) ([]byte, bool) {
-	i := 0
-	if i < len(tok) && tok[i] == '-' {
-		i++
-	}
-	intStart := i
-	switch {
-	case i < len(tok) && tok[i] == '0':
-		i++
-	case i < len(tok) && '1' <= tok[i] && tok[i] <= '9':
-		i = skipDigits(tok, i+1)
-	default:
-		return dst, false
-	}
-	intEnd := i
-	wholeNumber := true
-	if i < len(tok) && tok[i] == '.' {
-		j := skipDigits(tok, i+1)
-		if j == i+1 {
-			return dst, false
-		}
-		for _, d := range tok[i+1 : j] {
-			wholeNumber = wholeNumber && d == '0'
-		}
-		i = j
-	}
-	exponent := i < len(tok) && (tok[i] == 'e' || tok[i] == 'E')
-	if exponent {
-		i++
-		if i < len(tok) && (tok[i] == '+' || tok[i] == '-') {
-			i++
-		}
-		j := skipDigits(tok, i)
-		if j == i {
-			return dst, false
-		}
-		i = j
-	}
-	if i != len(tok) {
+	n, ok := scanNumber(tok)
+	if !ok {
 		return dst, false
 	}
 	// Whole numbers below 10^15 are exact in a double, whose shortest form
 	// is then their digits: no need to parse and format them.
-	if wholeNumber && !exponent && intEnd-intStart <= 15 {
-		if tok[intStart] == '0' {
+	if n.whole && !n.exponent && n.intEnd-n.intStart <= 15 {
+		if tok[n.intStart] == '0' {
 			return append(dst, '0'), true // "-0" too
 		}
-		return append(dst, tok[:intEnd]...), true
+		return append(dst, tok[:n.intEnd]...), true
 	}
 	f, err := strconv.ParseFloat(string(tok), 64)
 	if err != nil {
 		return dst, false
 	}
 	return appendECMAScriptNumber(dst, f), true
+}
+
+// number is what scanNumber learns of a JSON number token.
+type number struct {
+	intStart, intEnd int  // the integer part's digits
+	whole            bool // no fraction, or one of zeros only
+	exponent         bool
+}
+
+// scanNumber checks that tok is a number by JSON's grammar, and describes it.
+func scanNumber(tok []byte) (n number, ok bool) {
+	i := 0
+	if i < len(tok) && tok[i] == '-' {
+		i++
+	}
+	n.intStart = i
+	switch {
+	case i < len(tok) && tok[i] == '0':
+		i++
+	case i < len(tok) && '1' <= tok[i] && tok[i] <= '9':
+		i = skipDigits(tok, i+1)
+	default:
+		return n, false
+	}
+	n.intEnd, n.whole = i, true
+	if i < len(tok) && tok[i] == '.' {
+		j := skipDigits(tok, i+1)
+		if j == i+1 {
+			return n, false
+		}
+		for _, d := range tok[i+1 : j] {
+			n.whole = n.whole && d == '0'
+		}
+		i = j
+	}
+	if n.exponent = i < len(tok) && (tok[i] == 'e' || tok[i] == 'E'); n.exponent {
+		i++
+		if i < len(tok) && (tok[i] == '+' || tok[i] == '-') {
+			i++
+		}
+		j := skipDigits(tok, i)
+		if j == i {
+			return n, false
+		}
+		i = j
+	}
+	return n, i == len(tok)
 }
 
 func skipDigits(s []byte, i int) int {
