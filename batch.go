@@ -56,9 +56,9 @@ type batchCall struct {
 	acks *redis.Cmd // the reply of the WAIT for replicas sent after it, if any
 	// A queued call's context, whose values and deadline its pipeline
 	// takes, and the channel closed once the pipeline set its replies.
-	ctx  context.Context
-	sent chan struct{}
-	self [1]*batchCall // the call as a batch of one, without allocating one
+	ctx     context.Context
+	replied chan struct{}
+	self    [1]*batchCall // the call as a batch of one, without allocating one
 }
 
 // run sends sc with args (made by sc.args) and returns the call, sent, or
@@ -75,11 +75,11 @@ func (b *batcher) run(ctx context.Context, sc *script, args []any) *batchCall {
 		b.send(ctx, c.self[:])
 		return c
 	}
-	c.ctx, c.sent = ctx, make(chan struct{})
+	c.ctx, c.replied = ctx, make(chan struct{})
 	b.queue = append(b.queue, c)
 	b.mu.Unlock()
 	select {
-	case <-c.sent:
+	case <-c.replied:
 		return c
 	case <-ctx.Done():
 	}
@@ -92,7 +92,7 @@ func (b *batcher) run(ctx context.Context, sc *script, args []any) *batchCall {
 	when := unsent
 	if i < 0 {
 		select {
-		case <-c.sent:
+		case <-c.replied:
 			// The pipeline answered meanwhile: its reply stands.
 			return c
 		default:
@@ -159,7 +159,7 @@ func (b *batcher) sendBatch(batch []*batchCall) {
 			}
 		}
 		for _, c := range batch {
-			close(c.sent)
+			close(c.replied)
 		}
 	}()
 	if len(live) > 0 {

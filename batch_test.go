@@ -233,7 +233,7 @@ func TestBatcherSendsOnlyLiveCallsAndSurvivesAPanic(t *testing.T) {
 		}
 	}}
 	queued := func(ctx context.Context, name string) *batchCall {
-		return &batchCall{args: []any{name}, ctx: ctx, sent: make(chan struct{})}
+		return &batchCall{args: []any{name}, ctx: ctx, replied: make(chan struct{})}
 	}
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()
@@ -246,7 +246,7 @@ func TestBatcherSendsOnlyLiveCallsAndSurvivesAPanic(t *testing.T) {
 	assert.Equal(t, [][]any{{"live"}, {"panics", "after"}}, sent)
 	for _, c := range []*batchCall{gone, live, panics, after} {
 		select {
-		case <-c.sent:
+		case <-c.replied:
 		default:
 			t.Fatalf("call %v was never let go", c.args[0])
 		}

@@ -188,7 +188,7 @@ func (g *Guard) Middleware(o MiddlewareOptions) func(http.Handler) http.Handler 
 	o = o.withDefaults()
 	secs := max(1, int64(math.Ceil(o.RetryAfter.Seconds())))
 	return func(next http.Handler) http.Handler {
-		return &guarded{g: g, o: o, next: next, retryAfter: strconv.FormatInt(secs, 10)}
+		return &guarded{g: g, o: o, next: next, retryAfterSecs: strconv.FormatInt(secs, 10)}
 	}
 }
 
@@ -212,10 +212,10 @@ var (
 const statusClientClosedRequest = 499
 
 type guarded struct {
-	g          *Guard
-	o          MiddlewareOptions
-	next       http.Handler
-	retryAfter string
+	g              *Guard
+	o              MiddlewareOptions
+	next           http.Handler
+	retryAfterSecs string // o.RetryAfter, as Retry-After sends it
 }
 
 func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -228,19 +228,19 @@ func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.next.ServeHTTP(w, r)
 		return
 	}
-	t := h.g.newCall(r.Method, r.Pattern)
+	cs := h.g.newCall(r.Method, r.Pattern)
 	k, body, err := h.admit(r, values)
 	if err != nil {
-		t.decided = OutcomeRejected
+		cs.decided = OutcomeRejected
 		if errors.Is(err, ErrInvalidKey) || errors.Is(err, errKeyMissing) || errors.Is(err, errKeyRepeated) {
-			t.decided = OutcomeInvalidKey
+			cs.decided = OutcomeInvalidKey
 		}
-		h.g.report(r.Context(), k.Scope, &t, Result{}, err)
+		h.g.report(r.Context(), k.Scope, &cs, Result{}, err)
 		h.fail(w, r, err)
 		return
 	}
 	x := &exchange{h: h, w: w, r: r, body: body}
-	x.serve(&t, k, requestFingerprint(r, body, h.o.FingerprintHeaders))
+	x.serve(&cs, k, requestFingerprint(r, body, h.o.FingerprintHeaders))
 }
 
 // admit checks everything that can be checked before the store is asked:
@@ -353,13 +353,13 @@ type exchange struct {
 // recorder, and the response is sent only once the Guard has stored it; a
 // body too large to buffer is settled early instead (settleEarly), from
 // inside the handler's Write, and then streamed.
-func (x *exchange) serve(t *callState, k Key, fp Fingerprint) {
+func (x *exchange) serve(cs *callState, k Key, fp Fingerprint) {
 	if x.h.o.FailOpen {
-		t.failOpen = func() { x.h.next.ServeHTTP(x.w, withBody(x.r.Context(), x.r, x.body)) }
+		cs.failOpen = func() { x.h.next.ServeHTTP(x.w, withBody(x.r.Context(), x.r, x.body)) }
 	}
-	res, err := x.h.g.call(x.r.Context(), k, fp, x.operate, t)
+	res, err := x.h.g.call(x.r.Context(), k, fp, x.operate, cs)
 	switch {
-	case t.decided == OutcomeFailedOpen:
+	case cs.decided == OutcomeFailedOpen:
 		// The handler answered, unguarded.
 	case x.rec == nil && err == nil:
 		sendHead(x.w, res.Response.Status, res.Response.Header, true)
@@ -415,7 +415,7 @@ func (x *exchange) settleEarly(resp Response) error {
 type recorder struct {
 	w      http.ResponseWriter
 	header http.Header // what the handler sets
-	sent   http.Header // header at WriteHeader: later changes are not sent, as with net/http
+	head   http.Header // header at WriteHeader: later changes are not sent, as with net/http
 	status int
 	body   []byte
 	limit  int64
@@ -451,7 +451,7 @@ func (rec *recorder) WriteHeader(code int) {
 		// outcome is stored: it is dropped.
 	default:
 		rec.status = code
-		rec.sent = rec.header.Clone()
+		rec.head = rec.header.Clone()
 	}
 }
 
@@ -478,8 +478,8 @@ func (rec *recorder) Write(p []byte) (int, error) {
 // overflow settles a response whose body outgrew the limit with its status
 // and header fields only, then sends it whole, streaming what follows.
 func (rec *recorder) overflow(p []byte) (int, error) {
-	setContentType(rec.sent, rec.body, p)
-	stored := storedHeader(rec.sent)
+	setContentType(rec.head, rec.body, p)
+	stored := storedHeader(rec.head)
 	stored.Del("Content-Length")
 	stored.Set(HeaderBodyOmitted, "too-large")
 	if err := rec.settle(Response{Status: rec.status, Header: stored}); err != nil {
@@ -487,7 +487,7 @@ func (rec *recorder) overflow(p []byte) (int, error) {
 		return 0, errNotStored
 	}
 	rec.state = passing
-	sendHead(rec.w, rec.status, rec.sent, false)
+	sendHead(rec.w, rec.status, rec.head, false)
 	copyTrailers(rec.w.Header(), rec.header)
 	buffered := rec.body
 	rec.body = nil
@@ -509,13 +509,13 @@ func (rec *recorder) outcome() (Response, error) {
 	if rec.status == 0 {
 		rec.WriteHeader(http.StatusOK)
 	}
-	setContentType(rec.sent, rec.body, nil)
-	return Response{Status: rec.status, Header: storedHeader(rec.sent), Body: rec.body}, nil
+	setContentType(rec.head, rec.body, nil)
+	return Response{Status: rec.status, Header: storedHeader(rec.head), Body: rec.body}, nil
 }
 
 // send sends the response once its outcome is stored.
 func (rec *recorder) send() {
-	sendHead(rec.w, rec.status, rec.sent, false)
+	sendHead(rec.w, rec.status, rec.head, false)
 	_, _ = rec.w.Write(rec.body)
 	copyTrailers(rec.w.Header(), rec.header)
 }

@@ -142,7 +142,7 @@ const (
 	Release
 	// Forget deletes the record: the key may be used again, even with a
 	// different request. Use it when the operation never began (the HTTP
-	// default for 400, 401, 403, 408, 409, 422 and 429).
+	// default for the refusals DefaultDisposition lists).
 	Forget
 	// Settled says the operation already stored its outcome itself, in its
 	// own transaction (see the postgres package's Store.CompleteTx), so the
@@ -369,14 +369,14 @@ func (g *Guard) Do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx conte
 // and route for the Observer, and failOpen, which runs the operation
 // unguarded when the store could not be asked to claim the key (see
 // mayFailOpen).
-func (g *Guard) call(ctx context.Context, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error), t *callState) (Result, error) {
+func (g *Guard) call(ctx context.Context, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error), cs *callState) (Result, error) {
 	ctx, end := g.startPhase(ctx, PhaseCall, PhaseStart{Scope: k.Scope})
-	res, err := g.do(ctx, k, fp, fn, t)
-	if t.failOpen != nil && mayFailOpen(ctx, t, err) {
-		t.decided = OutcomeFailedOpen
-		t.failOpen()
+	res, err := g.do(ctx, k, fp, fn, cs)
+	if cs.failOpen != nil && mayFailOpen(ctx, cs, err) {
+		cs.decided = OutcomeFailedOpen
+		cs.failOpen()
 	}
-	g.report(ctx, k.Scope, t, res, err)
+	g.report(ctx, k.Scope, cs, res, err)
 	end(err)
 	return res, err
 }
@@ -386,17 +386,17 @@ func (g *Guard) call(ctx context.Context, k Key, fp Fingerprint, fn func(ctx con
 // Never when the record is known to be in flight elsewhere or was claimed
 // by this call too late to act on, nor when the caller has gone, for then
 // the store's failure may be the cancelled call's doing.
-func mayFailOpen(ctx context.Context, t *callState, err error) bool {
-	return !t.owned && errors.Is(err, ErrUnavailable) && !errors.Is(err, ErrInFlight) && !errors.Is(err, errLateClaim) &&
+func mayFailOpen(ctx context.Context, cs *callState, err error) bool {
+	return !cs.owned && errors.Is(err, ErrUnavailable) && !errors.Is(err, ErrInFlight) && !errors.Is(err, errLateClaim) &&
 		ctx.Err() == nil
 }
 
 // do is Do, telling t what its Observer will want to know.
-func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error), t *callState) (Result, error) {
+func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error), cs *callState) (Result, error) {
 	if err := k.Validate(); err != nil {
 		return Result{}, err
 	}
-	c, sent, err := g.claim(ctx, k, fp, t)
+	c, sent, err := g.claim(ctx, k, fp, cs)
 	if err != nil {
 		return Result{}, err
 	}
@@ -408,14 +408,14 @@ func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx conte
 	}
 	o, err := g.own(ctx, k, c, sent)
 	if err != nil {
-		t.op = OpClaim
+		cs.op = OpClaim
 		return Result{}, err
 	}
-	t.owned, t.attempt = true, c.Attempt
+	cs.owned, cs.attempt = true, c.Attempt
 	res, err := o.run(fn)
-	t.disposition, t.recovered, t.unknown = o.t.disposition, o.t.recovered, o.t.unknown
-	if o.t.op != "" {
-		t.op = o.t.op
+	cs.disposition, cs.recovered, cs.unknown = o.cs.disposition, o.cs.recovered, o.cs.unknown
+	if o.cs.op != "" {
+		cs.op = o.cs.op
 	}
 	return res, err
 }
@@ -423,7 +423,7 @@ func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx conte
 // claim claims k, waiting while another owner holds it, until the caller owns
 // the record or there is a final answer. sent is when the claim that gave
 // that answer was handed to the store: an owner's lease is counted from it.
-func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) (Claim, time.Time, error) {
+func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, cs *callState) (Claim, time.Time, error) {
 	req := ClaimRequest{Key: k, Fingerprint: fp, OperationID: newOperationID(), Lease: g.opts.Lease, Retention: g.opts.Retention}
 	sent := time.Now()
 	cctx, endClaim := g.startPhase(ctx, PhaseClaim, PhaseStart{Scope: k.Scope})
@@ -431,12 +431,12 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, t *callState) 
 	endClaim(err)
 	switch {
 	case err != nil:
-		t.op = OpClaim
+		cs.op = OpClaim
 		return c, sent, err
 	case c.State == Mismatch:
 		return c, sent, ErrMismatch
 	case c.State == InFlight:
-		return g.wait(ctx, req, t)
+		return g.wait(ctx, req, cs)
 	}
 	return c, sent, nil
 }

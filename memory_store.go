@@ -170,7 +170,7 @@ func (s *MemoryStore) Subscribe(_ context.Context, k Key) (Subscription, error) 
 	return s.subs.Add(k), nil
 }
 
-// Stats counts the records in flight, scanning every record as Abandoned
+// Stats counts the records in flight, scanning every record as ListAbandoned
 // does.
 func (s *MemoryStore) Stats(context.Context) (Stats, error) {
 	s.mu.Lock()
@@ -189,10 +189,10 @@ func (s *MemoryStore) Stats(context.Context) (Stats, error) {
 	return st, nil
 }
 
-// Abandoned implements Store. It scans every record: the memory store is
+// ListAbandoned implements Store. It scans every record: the memory store is
 // bounded by MaxRecords, and a scan of it is cheap next to a network store's
 // round trip.
-func (s *MemoryStore) Abandoned(_ context.Context, limit int) ([]AbandonedRecord, error) {
+func (s *MemoryStore) ListAbandoned(_ context.Context, limit int) ([]AbandonedRecord, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.opts.Now()

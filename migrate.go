@@ -43,7 +43,7 @@ type ownerRef struct {
 //
 // A claim that is fresh in new costs a claim in old as well; one new can
 // answer costs nothing more. A waiter is woken by a settlement in either
-// store. Abandoned lists new's records only: sweep old with a Guard of its
+// store. ListAbandoned lists new's records only: sweep old with a Guard of its
 // own.
 func NewMigratingStore(old, new Store, o MigrationOptions) Store {
 	return &migratingStore{old: old, new: new, opts: o, dual: make(map[ownerRef]uint64)}
@@ -182,8 +182,8 @@ func (m *migratingStore) Heartbeat(ctx context.Context, k Key, token uint64, lea
 	return nil
 }
 
-func (m *migratingStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecord, error) {
-	return m.new.Abandoned(ctx, limit)
+func (m *migratingStore) ListAbandoned(ctx context.Context, limit int) ([]AbandonedRecord, error) {
+	return m.new.ListAbandoned(ctx, limit)
 }
 
 func (m *migratingStore) Subscribe(ctx context.Context, k Key) (Subscription, error) {

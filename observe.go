@@ -224,11 +224,11 @@ type callState struct {
 // newCall starts the callState of a call made for the HTTP method and route
 // ("" for Do), timed when there is an Observer to tell.
 func (g *Guard) newCall(method, route string) callState {
-	t := callState{method: method, route: route}
+	cs := callState{method: method, route: route}
 	if g.opts.Observer != nil {
-		t.start = time.Now()
+		cs.start = time.Now()
 	}
-	return t
+	return cs
 }
 
 // observe tells the Guard's Observer of e, if it has one.
@@ -239,32 +239,32 @@ func (g *Guard) observe(ctx context.Context, e Event) {
 }
 
 // report tells the Observer how the call t, for a key of scope, ended.
-func (g *Guard) report(ctx context.Context, scope string, t *callState, res Result, err error) {
+func (g *Guard) report(ctx context.Context, scope string, cs *callState, res Result, err error) {
 	if g.opts.Observer == nil {
 		return
 	}
-	g.opts.Observer.Observe(ctx, Event{Kind: EventOutcome, Outcome: t.outcome(ctx, res, err), Scope: scope,
-		Method: t.method, Route: t.route, Attempt: t.attempt, Duration: time.Since(t.start), Waited: t.waited,
-		Op: t.op, Err: err})
+	g.opts.Observer.Observe(ctx, Event{Kind: EventOutcome, Outcome: cs.outcome(ctx, res, err), Scope: scope,
+		Method: cs.method, Route: cs.route, Attempt: cs.attempt, Duration: time.Since(cs.start), Waited: cs.waited,
+		Op: cs.op, Err: err})
 }
 
 // outcome classifies the call's end. The order matters: a client that went
 // away is no store outage, and an outage during a wait is an outage.
-func (t *callState) outcome(ctx context.Context, res Result, err error) Outcome {
+func (cs *callState) outcome(ctx context.Context, res Result, err error) Outcome {
 	switch {
-	case t.decided != 0:
-		return t.decided
-	case err == nil && res.Replayed && t.recovered:
+	case cs.decided != 0:
+		return cs.decided
+	case err == nil && res.Replayed && cs.recovered:
 		return OutcomeRecovered
-	case err == nil && res.Replayed && t.waited > 0:
+	case err == nil && res.Replayed && cs.waited > 0:
 		return OutcomeWaitedReplayed
 	case err == nil && res.Replayed:
 		return OutcomeReplayed
-	case t.owned && t.disposition == Release:
+	case cs.owned && cs.disposition == Release:
 		return OutcomeReleased
-	case t.owned && t.disposition == Forget:
+	case cs.owned && cs.disposition == Forget:
 		return OutcomeForgotten
-	case err == nil && t.waited > 0:
+	case err == nil && cs.waited > 0:
 		return OutcomeWaitedOwner
 	case err == nil:
 		return OutcomeExecuted
@@ -276,9 +276,9 @@ func (t *callState) outcome(ctx context.Context, res Result, err error) Outcome 
 		return OutcomeInvalidKey
 	case errors.Is(err, ErrMismatch):
 		return OutcomeMismatch
-	case t.unknown:
+	case cs.unknown:
 		return OutcomeRecoveryUnknown
-	case t.op != "" || errors.Is(err, ErrUnavailable):
+	case cs.op != "" || errors.Is(err, ErrUnavailable):
 		return OutcomeUnavailable
 	}
 	return OutcomeInFlight

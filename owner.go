@@ -48,10 +48,10 @@ type owner struct {
 	lost     error         // why the lease ended before the owner settled; matches ErrFenced
 	failed   error         // the last renewal's failure, named when the lease then runs out
 
-	// t is what the call learns as the owner, for its Observer: the
+	// cs is what the call learns as the owner, for its Observer: the
 	// disposition applied, a failed store call, and what Recover decided.
 	// Written on the goroutine that runs the operation only.
-	t callState
+	cs callState
 }
 
 // abandon is a Disposition for the Guard's own use: the owner gives its lease
@@ -175,14 +175,14 @@ func (o *owner) run(fn func(ctx context.Context) (Response, error)) (Result, err
 func (o *owner) recover() (Response, Disposition, error) {
 	resp, d, err := o.call(o.g.opts.Recover, abandon, false)
 	if err != nil {
-		o.t.unknown = true
+		o.cs.unknown = true
 		return Response{}, 0, errors.Join(ErrInFlight, err, o.settle(Response{}, abandon))
 	}
 	if d == Keep || d == Settled {
 		if err := o.settle(resp, d); err != nil {
 			return Response{}, 0, err
 		}
-		o.t.recovered = true
+		o.cs.recovered = true
 	}
 	return resp, d, nil
 }
@@ -249,7 +249,7 @@ func (o *owner) settle(resp Response, d Disposition) error {
 	o.awaitRenewal(d == abandon)
 	deadline, lost := o.end()
 	if d == Settled {
-		o.t.disposition = d
+		o.cs.disposition = d
 		return nil
 	}
 	if lost != nil {
@@ -262,11 +262,11 @@ func (o *owner) settle(resp Response, d Disposition) error {
 	endSettle(err)
 	switch {
 	case err != nil:
-		o.t.op = settleOp(d)
+		o.cs.op = settleOp(d)
 		o.cancel(err)
 		return err
 	}
-	o.t.disposition = d
+	o.cs.disposition = d
 	if d != Keep {
 		// The record is free for another owner while an operation that
 		// settled early may still run: its context ends now.

@@ -136,7 +136,7 @@ func (h *guarded) fail(w http.ResponseWriter, r *http.Request, err error) {
 	hd := w.Header()
 	hd.Set("Cache-Control", "no-store")
 	if p.Status == http.StatusConflict || p.Status == http.StatusServiceUnavailable {
-		hd.Set("Retry-After", h.retryAfter)
+		hd.Set("Retry-After", h.retryAfterSecs)
 	}
 	h.o.Errors(w, r, p)
 }

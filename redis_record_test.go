@@ -215,7 +215,7 @@ func TestAbandonedSkipsForeignRecords(t *testing.T) {
 		require.NoError(t, c.ZAdd(ctx, bk.leases.(string), redis.Z{Score: 1, Member: rec}).Err())
 		time.Sleep(5 * time.Millisecond)
 
-		got, err := s.Abandoned(ctx, 10)
+		got, err := s.ListAbandoned(ctx, 10)
 		require.NoError(t, err)
 		require.Len(t, got, 1)
 		assert.Equal(t, dead, got[0].Key)

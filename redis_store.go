@@ -146,10 +146,10 @@ type RedisStore struct {
 	scripts scripts
 	pubsub  *pubsub
 	batch   *batcher
-	// confirmed holds, with Replicas set, the batcher of each master (a
+	// replicated holds, with Replicas set, the batcher of each master (a
 	// *redis.Client) whose batches end with a WAIT for replicas.
-	confirmed sync.Map
-	buckets   [buckets]bucketKeys
+	replicated sync.Map
+	buckets    [buckets]bucketKeys
 	// endsByDeadline: the client, a *redis.Client, honours its calls'
 	// deadlines (ContextTimeoutEnabled, with socket deadlines not turned
 	// off by a ReadTimeout or WriteTimeout of -2), and so do the batchers.
@@ -357,10 +357,10 @@ func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable f
 // a master: one per master, since WAIT covers only the writes of its own
 // connection.
 func (s *RedisStore) confirmedBatcher(node *redis.Client) *batcher {
-	if b, ok := s.confirmed.Load(node); ok {
+	if b, ok := s.replicated.Load(node); ok {
 		return b.(*batcher)
 	}
-	b, _ := s.confirmed.LoadOrStore(node, &batcher{send: s.sendConfirmed(node)})
+	b, _ := s.replicated.LoadOrStore(node, &batcher{send: s.sendConfirmed(node)})
 	return b.(*batcher)
 }
 
@@ -619,9 +619,9 @@ func evicts(addr string, memory map[string]string) error {
 	return fmt.Errorf("%s evicts under maxmemory %s bytes by maxmemory-policy %s; set it to noeviction", addr, limit, policy)
 }
 
-// Abandoned implements Store: one script per bucket, all in one pipeline,
+// ListAbandoned implements Store: one script per bucket, all in one pipeline,
 // merged oldest lease first.
-func (s *RedisStore) Abandoned(ctx context.Context, limit int) ([]AbandonedRecord, error) {
+func (s *RedisStore) ListAbandoned(ctx context.Context, limit int) ([]AbandonedRecord, error) {
 	if limit <= 0 {
 		return nil, nil
 	}

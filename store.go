@@ -63,14 +63,14 @@ type Store interface {
 	Heartbeat(ctx context.Context, k Key, token uint64, lease time.Duration) error
 	// Abandon gives the current owner's lease up without settling the
 	// record, if token is the current owner's (ErrFenced otherwise): it
-	// stays in flight, listed by Abandoned, and the next claim takes it
+	// stays in flight, listed by ListAbandoned, and the next claim takes it
 	// over with Claim.Abandoned set.
 	Abandon(ctx context.Context, k Key, token uint64) error
-	// Abandoned lists up to limit records that are in flight with a lease
+	// ListAbandoned lists up to limit records that are in flight with a lease
 	// that ran out, the longest expired first, so that records no one can
 	// settle yet do not hide the others; limit <= 0 lists none. Its cost
 	// grows with the records in flight, not with all the records kept.
-	Abandoned(ctx context.Context, limit int) ([]AbandonedRecord, error)
+	ListAbandoned(ctx context.Context, limit int) ([]AbandonedRecord, error)
 	// Subscribe returns once the caller is certain to be woken by every
 	// Complete or Release of k's record that follows a watching Claim. It
 	// may wake spuriously; the caller re-claims on every wake-up.
@@ -194,7 +194,7 @@ type dueRecord struct {
 }
 
 // oldestFirst returns up to limit records of due, the longest abandoned
-// first, as Store.Abandoned lists them.
+// first, as Store.ListAbandoned lists them.
 func oldestFirst(due []dueRecord, limit int) []AbandonedRecord {
 	slices.SortFunc(due, func(a, b dueRecord) int { return cmp.Compare(a.leaseEnd, b.leaseEnd) })
 	out := make([]AbandonedRecord, 0, min(max(limit, 0), len(due)))

@@ -24,7 +24,7 @@ func (g *Guard) Sweep(ctx context.Context, limit int) (int, error) {
 		limit = 100
 	}
 	start := time.Now()
-	list, err := g.store.Abandoned(ctx, limit)
+	list, err := g.store.ListAbandoned(ctx, limit)
 	if err != nil {
 		g.observe(ctx, Event{Kind: EventSweep, Duration: time.Since(start), Op: OpAbandoned, Err: err})
 		return 0, err

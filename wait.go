@@ -21,7 +21,7 @@ import (
 type waiter struct {
 	g        *Guard
 	req      ClaimRequest // Watch set: the record remembers that someone waits
-	t        *callState
+	cs       *callState
 	wake     Subscription
 	reread   *time.Timer // when the next re-read is due without a wake-up
 	sent     time.Time   // when the re-read that gave the last answer was sent
@@ -32,7 +32,7 @@ type waiter struct {
 // wait waits for the original of req, found in flight, and returns the claim
 // that ends the wait: a completion to replay, or ownership once the original
 // released the record or its lease ran out. sent is when that claim was sent.
-func (g *Guard) wait(ctx context.Context, req ClaimRequest, t *callState) (c Claim, sent time.Time, err error) {
+func (g *Guard) wait(ctx context.Context, req ClaimRequest, cs *callState) (c Claim, sent time.Time, err error) {
 	if g.opts.WaitTimeout < 0 {
 		return Claim{}, time.Time{}, ErrInFlight
 	}
@@ -45,10 +45,10 @@ func (g *Guard) wait(ctx context.Context, req ClaimRequest, t *callState) (c Cla
 	start := time.Now()
 	ctx, endWait := g.startPhase(ctx, PhaseWait, PhaseStart{Scope: req.Key.Scope})
 	defer func() {
-		t.waited = time.Since(start)
+		cs.waited = time.Since(start)
 		endWait(err)
 	}()
-	w := &waiter{g: g, req: req, t: t}
+	w := &waiter{g: g, req: req, cs: cs}
 	w.req.Watch = true
 	wctx, cancel := context.WithTimeout(ctx, g.opts.WaitTimeout)
 	defer cancel()
@@ -67,7 +67,7 @@ func (w *waiter) unsubscribed(ctx, wctx context.Context, err error) error {
 	if wctx.Err() != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, errCutOff) {
 		return ErrInFlight
 	}
-	w.t.op = OpSubscribe
+	w.cs.op = OpSubscribe
 	return errors.Join(ErrInFlight, err)
 }
 
@@ -106,7 +106,7 @@ func (w *waiter) claim(ctx context.Context) (c Claim, done bool, err error) {
 	c, err = w.g.claimOnce(ctx, w.req)
 	switch {
 	case err != nil && (ctx.Err() != nil || !errors.Is(err, ErrUnavailable)):
-		w.t.op = OpClaim
+		w.cs.op = OpClaim
 		return c, true, errors.Join(ErrInFlight, err)
 	case err != nil:
 		// A re-read the store could not answer (a connection reset, a
@@ -134,7 +134,7 @@ func (w *waiter) timedOut(ctx context.Context) error {
 	case ctx.Err() != nil:
 		return ctx.Err()
 	case w.failed != nil:
-		w.t.op = OpClaim
+		w.cs.op = OpClaim
 		return errors.Join(ErrInFlight, w.failed)
 	}
 	return ErrInFlight

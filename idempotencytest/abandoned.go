@@ -69,7 +69,7 @@ func abandonedTakeover(e *env) {
 }
 
 // giveUpLease checks that Abandon gives the record up without settling it:
-// the record stays in flight and is listed by Abandoned, and the next claim
+// the record stays in flight and is listed by ListAbandoned, and the next claim
 // takes it over at once, without waiting for the lease, as an abandoned
 // record under the same operation ID; exactly one of many concurrent claims
 // does. The owner that gave the record up is fenced from then on, so it
@@ -105,7 +105,7 @@ func giveUpLease(e *env) {
 	e.requireReplay(request(k, fp), first.OperationID, want, "claim after the third owner completed")
 }
 
-// abandonedListing checks that Store.Abandoned lists every record in flight
+// abandonedListing checks that Store.ListAbandoned lists every record in flight
 // whose lease ran out, once, with its fingerprint, and no other record: not
 // one whose lease is live or was renewed, nor one completed, released or
 // past its retention, nor one since taken over or settled by its late
@@ -148,16 +148,16 @@ func abandonedListing(e *env) {
 	got := e.listed(keys...)
 	require.Equal(e.t, want, got, "records listed once the short leases ran out")
 	const limit = 2
-	list, err := e.store.Abandoned(e.ctx, limit)
-	require.NoError(e.t, err, "Abandoned(%d)", limit)
+	list, err := e.store.ListAbandoned(e.ctx, limit)
+	require.NoError(e.t, err, "ListAbandoned(%d)", limit)
 	// The store may hold other cases' abandoned records, which can fill the
 	// page, so only the page's bounds and this case's entries are checked.
-	require.NotEmpty(e.t, list, "Abandoned(%d), with %d records of this case abandoned", limit, len(want))
-	require.LessOrEqual(e.t, len(list), limit, "Abandoned(%d)", limit)
+	require.NotEmpty(e.t, list, "ListAbandoned(%d), with %d records of this case abandoned", limit, len(want))
+	require.LessOrEqual(e.t, len(list), limit, "ListAbandoned(%d)", limit)
 	for _, a := range list {
 		if slices.Contains(keys, a.Key) {
-			require.Contains(e.t, want, a.Key, "Abandoned(%d) listed a record not abandoned", limit)
-			require.Equal(e.t, want[a.Key], a.Fingerprint, "Abandoned(%d) listed %q", limit, a.Key)
+			require.Contains(e.t, want, a.Key, "ListAbandoned(%d) listed a record not abandoned", limit)
+			require.Equal(e.t, want[a.Key], a.Fingerprint, "ListAbandoned(%d) listed %q", limit, a.Key)
 		}
 	}
 

@@ -123,20 +123,20 @@ func (e *env) requireAbandoned(c idempotency.Claim, abandoned bool, what string)
 	require.Equal(e.t, abandoned, c.Abandoned, "%s: Abandoned (claim: %s)", what, describe(c))
 }
 
-// listed returns the records of keys that Abandoned lists, with their
+// listed returns the records of keys that ListAbandoned lists, with their
 // fingerprints. The store may hold other cases' abandoned records, so it
 // asks for every record and leaves the others' out.
 func (e *env) listed(keys ...idempotency.Key) map[idempotency.Key]idempotency.Fingerprint {
 	e.t.Helper()
-	list, err := e.store.Abandoned(e.ctx, listAll)
-	require.NoError(e.t, err, "Abandoned(%d)", listAll)
+	list, err := e.store.ListAbandoned(e.ctx, listAll)
+	require.NoError(e.t, err, "ListAbandoned(%d)", listAll)
 	got := make(map[idempotency.Key]idempotency.Fingerprint)
 	for _, a := range list {
 		if !slices.Contains(keys, a.Key) {
 			continue
 		}
 		_, twice := got[a.Key]
-		require.False(e.t, twice, "Abandoned(%d) listed %q twice", listAll, a.Key)
+		require.False(e.t, twice, "ListAbandoned(%d) listed %q twice", listAll, a.Key)
 		got[a.Key] = a.Fingerprint
 	}
 	return got

@@ -81,7 +81,7 @@ func renewalOutlivesRetention(e *env) {
 
 // renewedRecordIsAbandonedAfterItsLease checks that a record whose owner
 // renewed it past its retention and then stopped (a crash) is handled like
-// any record whose owner died: listed by Abandoned once the lease ran out,
+// any record whose owner died: listed by ListAbandoned once the lease ran out,
 // and taken over with Abandoned set and the same operation ID, so that the
 // operation's downstream keys stay the same. A renewal moves the record's
 // expiry as far as it moves the lease.
@@ -95,7 +95,7 @@ func renewedRecordIsAbandonedAfterItsLease(e *env) {
 		require.NoError(e.t, e.store.Heartbeat(e.ctx, req.Key, c.Token, e.lease), "renewal every half lease")
 	}
 	e.wait(e.past) // the last lease ran out, and so did the claim's retention
-	require.Contains(e.t, e.listed(req.Key), req.Key, "Abandoned lists the record whose owner stopped renewing")
+	require.Contains(e.t, e.listed(req.Key), req.Key, "ListAbandoned lists the record whose owner stopped renewing")
 	taker := e.own(request(req.Key, fp), 2, req.OperationID, "takeover of the record renewed past its retention")
 	e.requireAbandoned(taker, true, "takeover of the record renewed past its retention")
 }

@@ -422,11 +422,11 @@ func (s faultyStore) Heartbeat(ctx context.Context, k idempotency.Key, token uin
 	return s.MemoryStore.Heartbeat(ctx, k, token, lease)
 }
 
-func (s faultyStore) Abandoned(ctx context.Context, limit int) ([]idempotency.AbandonedRecord, error) {
+func (s faultyStore) ListAbandoned(ctx context.Context, limit int) ([]idempotency.AbandonedRecord, error) {
 	if s.abandoned != nil {
 		return nil, s.abandoned
 	}
-	return s.MemoryStore.Abandoned(ctx, limit)
+	return s.MemoryStore.ListAbandoned(ctx, limit)
 }
 
 var (

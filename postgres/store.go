@@ -382,29 +382,29 @@ func (s *Store) CompleteTx(ctx context.Context, tx pgx.Tx, resp idempotency.Resp
 
 // Release implements idempotency.Store.
 func (s *Store) Release(ctx context.Context, k idempotency.Key, token uint64) error {
-	return s.fenced(ctx, s.pool, "release", s.releaseSQL, k, token)
+	return s.ownerWrite(ctx, s.pool, "release", s.releaseSQL, k, token)
 }
 
 // Forget implements idempotency.Store.
 func (s *Store) Forget(ctx context.Context, k idempotency.Key, token uint64) error {
-	return s.fenced(ctx, s.pool, "forget", s.forgetSQL, k, token)
+	return s.ownerWrite(ctx, s.pool, "forget", s.forgetSQL, k, token)
 }
 
 // Heartbeat implements idempotency.Store.
 func (s *Store) Heartbeat(ctx context.Context, k idempotency.Key, token uint64, lease time.Duration) error {
-	return s.fenced(ctx, s.pool, "heartbeat", s.heartbeatSQL, k, token, lease.Microseconds())
+	return s.ownerWrite(ctx, s.pool, "heartbeat", s.heartbeatSQL, k, token, lease.Microseconds())
 }
 
 // Abandon implements idempotency.Store: the lease's end becomes the
 // database's now(), which no later claim's now() precedes, so the next claim
 // takes the record over as abandoned.
 func (s *Store) Abandon(ctx context.Context, k idempotency.Key, token uint64) error {
-	return s.fenced(ctx, s.pool, "abandon", s.heartbeatSQL, k, token, int64(0))
+	return s.ownerWrite(ctx, s.pool, "abandon", s.heartbeatSQL, k, token, int64(0))
 }
 
-// Abandoned implements idempotency.Store, in one statement on the partial
+// ListAbandoned implements idempotency.Store, in one statement on the partial
 // index of the records in flight, the longest abandoned first.
-func (s *Store) Abandoned(ctx context.Context, limit int) ([]idempotency.AbandonedRecord, error) {
+func (s *Store) ListAbandoned(ctx context.Context, limit int) ([]idempotency.AbandonedRecord, error) {
 	if limit <= 0 {
 		return nil, nil // none wanted; LIMIT would refuse a negative count
 	}
@@ -462,7 +462,7 @@ func (s *Store) DeleteExpired(ctx context.Context) (int64, error) {
 
 func (s *Store) complete(ctx context.Context, q querier, sql string, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
 	b := wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body)
-	return s.fenced(ctx, q, "complete", sql, k, token, b, retention.Microseconds())
+	return s.ownerWrite(ctx, q, "complete", sql, k, token, b, retention.Microseconds())
 }
 
 // querier runs a statement on a pool or in a transaction.
@@ -470,8 +470,9 @@ type querier interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
 
-// fenced runs a statement that changes the record only if token owns it.
-func (s *Store) fenced(ctx context.Context, q querier, op, sql string, k idempotency.Key, token uint64, args ...any) error {
+// ownerWrite runs a statement that changes the record only if token owns
+// it: ErrFenced when it changed nothing, ErrUnavailable when it failed.
+func (s *Store) ownerWrite(ctx context.Context, q querier, op, sql string, k idempotency.Key, token uint64, args ...any) error {
 	// The sequence issues tokens from 1 up to MaxInt64: a token beyond it
 	// turns negative here, matches no row, and so is fenced off.
 	tag, err := q.Exec(ctx, sql, append([]any{oneRoundTrip, k.Scope, k.Name, int64(token)}, args...)...)

@@ -607,7 +607,7 @@ func testErrorsAreUnavailable(t *testing.T, f *fixture) {
 	}
 	_, err = s.DeleteExpired(ctx)
 	require.ErrorIs(t, err, idempotency.ErrUnavailable)
-	_, err = s.Abandoned(ctx, 10)
+	_, err = s.ListAbandoned(ctx, 10)
 	require.ErrorIs(t, err, idempotency.ErrUnavailable)
 	sctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
 	defer cancel()
@@ -717,6 +717,6 @@ func testAbandonedCorruptFingerprint(t *testing.T, f *fixture) {
 	_, err := f.pool.Exec(ctx, `INSERT INTO `+o.Table+` (scope, key, fingerprint, state, attempt, operation_id, lease_until, expires_at)
 		VALUES ('acct_1', 'short', '\x00', 'in_progress', 1, 'op', now(), now() + interval '1 hour')`)
 	require.NoError(t, err)
-	_, err = s.Abandoned(ctx, 10)
+	_, err = s.ListAbandoned(ctx, 10)
 	require.ErrorIs(t, err, idempotency.ErrUnavailable)
 }

@@ -764,7 +764,7 @@ func TestRecoveryRunsUnchargedOperation(t *testing.T) {
 func awaitAbandoned(t *testing.T, store idempotency.Store, key string) {
 	t.Helper()
 	require.Eventually(t, func() bool {
-		list, err := store.Abandoned(t.Context(), 10)
+		list, err := store.ListAbandoned(t.Context(), 10)
 		return err == nil && len(list) == 1 && list[0].Key == idempotency.Key{Name: key}
 	}, 5*time.Second, 20*time.Millisecond, "%s's record was never abandoned", key)
 }
@@ -799,7 +799,7 @@ func TestRecoveryWithoutAnAnswerWaits(t *testing.T) {
 	assert.Regexp(t, `recover: idem_\S+: gateway: WRONGTYPE .*; left abandoned`, b.stderr())
 	requireLedgerEmpty(t, rs)
 	// At once, not after a lease: the hook gave the record up unsettled.
-	list, err := store.Abandoned(ctx, 10)
+	list, err := store.ListAbandoned(ctx, 10)
 	require.NoError(t, err)
 	require.Len(t, list, 1)
 	assert.Equal(t, idempotency.Key{Name: "unknown"}, list[0].Key)
