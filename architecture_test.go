@@ -3,6 +3,7 @@ package idempotency
 import (
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -85,4 +86,20 @@ func hasType(methods map[string]bool, typ string) bool {
 		}
 	}
 	return false
+}
+
+// TestShippedCodeImportsNoTestkit: nothing a user's program compiles
+// depends on internal/testkit, which holds test rigs and suites only.
+func TestShippedCodeImportsNoTestkit(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs go list")
+	}
+	const root = "github.com/idempotency-go/idempotency"
+	out, err := exec.Command("go", "list", "-deps", root, root+"/postgres", root+"/grpc", root+"/otel", root+"/idempotencytest").CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	deps := strings.Fields(string(out))
+	require.Contains(t, deps, root+"/internal/wire", "go list listed no internal package")
+	for _, p := range deps {
+		assert.NotContains(t, p, "/internal/testkit/", "shipped code depends on a test rig")
+	}
 }

@@ -13,7 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // Benchmarks of the hot paths: go test -run '^$' -bench . -benchmem

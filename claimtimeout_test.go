@@ -14,9 +14,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idempotency-go/idempotency/internal/faultproxy"
 	"github.com/idempotency-go/idempotency/internal/storeerr"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/faultproxy"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // A store that stops answering claims: Do fails with ErrUnavailable once

@@ -21,8 +21,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idempotency-go/idempotency"
-	"github.com/idempotency-go/idempotency/internal/faultproxy"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/faultproxy"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // fast retries at once, so that only a Retry-After makes a test wait.

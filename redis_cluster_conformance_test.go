@@ -10,7 +10,7 @@ import (
 
 	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/idempotencytest"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // TestRedisCluster runs the conformance suite on a Redis Cluster of 3

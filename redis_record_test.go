@@ -13,8 +13,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idempotency-go/idempotency/internal/report"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/report"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 	"github.com/idempotency-go/idempotency/internal/wire"
 )
 

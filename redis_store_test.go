@@ -19,8 +19,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idempotency-go/idempotency/internal/faultproxy"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/faultproxy"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // redisBackends runs f on miniredis and on a throwaway real redis-server.

@@ -13,7 +13,7 @@ import (
 )
 
 // A duplicate whose re-read of the record fails while the original runs
-// (its connection was reset, as internal/faultsuite does to PostgreSQL)
+// (its connection was reset, as internal/testkit/faultsuite does to PostgreSQL)
 // keeps waiting and gets the original's answer: the wait ends at
 // WaitTimeout, not at the first store error.
 func TestWaiterRetriesAFailedReread(t *testing.T) {
@@ -21,7 +21,7 @@ func TestWaiterRetriesAFailedReread(t *testing.T) {
 }
 
 // A duplicate whose subscription fails while the original runs (the
-// pub/sub connection was reset that moment, as internal/faultsuite does to
+// pub/sub connection was reset that moment, as internal/testkit/faultsuite does to
 // Redis) subscribes again, keeps waiting and gets the original's answer.
 func TestWaiterRetriesAFailedSubscription(t *testing.T) {
 	waitsThrough(t, &failing{subscriptions: 2}, 2)

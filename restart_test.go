@@ -3,8 +3,8 @@ package idempotency_test
 import (
 	"testing"
 
-	"github.com/idempotency-go/idempotency/internal/restarttest"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/restarttest"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // Issue 15's store restarts on redis-server: kill -9 under load, then a

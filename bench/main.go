@@ -51,7 +51,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/idempotency-go/idempotency"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 	idempotencyotel "github.com/idempotency-go/idempotency/otel"
 	"github.com/idempotency-go/idempotency/postgres"
 )

@@ -16,7 +16,7 @@ import (
 
 	"github.com/idempotency-go/idempotency"
 	idempotencygrpc "github.com/idempotency-go/idempotency/grpc"
-	"github.com/idempotency-go/idempotency/internal/faultproxy"
+	"github.com/idempotency-go/idempotency/internal/testkit/faultproxy"
 )
 
 // quick retries at once, a few times: the tests count attempts, not waits.

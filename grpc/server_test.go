@@ -23,7 +23,7 @@ import (
 
 	"github.com/idempotency-go/idempotency"
 	idempotencygrpc "github.com/idempotency-go/idempotency/grpc"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // hang bounds every wait for a condition: it only catches a hang.

@@ -21,7 +21,7 @@ import (
 
 	"github.com/idempotency-go/idempotency"
 	idempotencygrpc "github.com/idempotency-go/idempotency/grpc"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // The test service, payments.v1.Payments, with no generated code: its

@@ -11,7 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idempotency-go/idempotency"
-	"github.com/idempotency-go/idempotency/internal/report"
+	"github.com/idempotency-go/idempotency/internal/testkit/report"
 	"github.com/idempotency-go/idempotency/internal/wire"
 )
 

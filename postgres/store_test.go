@@ -13,9 +13,9 @@ import (
 
 	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/idempotencytest"
-	"github.com/idempotency-go/idempotency/internal/migrationtest"
-	"github.com/idempotency-go/idempotency/internal/statstest"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/migrationtest"
+	"github.com/idempotency-go/idempotency/internal/testkit/statstest"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 	"github.com/idempotency-go/idempotency/postgres"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"

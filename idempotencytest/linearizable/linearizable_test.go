@@ -18,9 +18,9 @@ import (
 
 	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/idempotencytest/linearizable"
-	"github.com/idempotency-go/idempotency/internal/faultproxy"
-	"github.com/idempotency-go/idempotency/internal/report"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/faultproxy"
+	"github.com/idempotency-go/idempotency/internal/testkit/report"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 	"github.com/idempotency-go/idempotency/postgres"
 )
 

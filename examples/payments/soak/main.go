@@ -17,7 +17,7 @@
 // kill -9 of an instance (a new one takes its place), SIGSTOP and SIGCONT,
 // and latency, resets, timeouts, partitions and truncation on an instance's
 // link to the store. It prints one summary, appends one entry to
-// $IDEMPOTENCY_REPORT (see internal/report), and exits 1 on any violation.
+// $IDEMPOTENCY_REPORT (see internal/testkit/report), and exits 1 on any violation.
 package main
 
 import (
@@ -30,7 +30,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/idempotency-go/idempotency/internal/report"
+	"github.com/idempotency-go/idempotency/internal/testkit/report"
 )
 
 // config is the soak's flags.

@@ -6,8 +6,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idempotency-go/idempotency/internal/report"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/report"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // TestSoak runs the soak briefly on each store, on a server the test

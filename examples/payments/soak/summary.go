@@ -7,7 +7,7 @@ import (
 	"slices"
 	"time"
 
-	"github.com/idempotency-go/idempotency/internal/report"
+	"github.com/idempotency-go/idempotency/internal/testkit/report"
 )
 
 // summary is what the soak did and what the audit found.

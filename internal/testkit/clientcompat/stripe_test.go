@@ -16,8 +16,8 @@ import (
 	"github.com/stripe/stripe-go/v82"
 
 	"github.com/idempotency-go/idempotency"
-	"github.com/idempotency-go/idempotency/internal/faultproxy"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/faultproxy"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // refunds is POST /v1/refunds as Stripe answers it, on l: it reads the form

@@ -14,7 +14,7 @@
 // run twice, completions lost or replaced, answers that are neither a
 // stored response nor ErrUnavailable, ErrInFlight or ErrFenced, and
 // duplicates left waiting though their original had finished; each run
-// reports its counts through internal/report.
+// reports its counts through internal/testkit/report.
 //
 // It is a module of its own, so that the library's go.mod never requires
 // Toxiproxy.

@@ -4,7 +4,7 @@ import (
 	"testing"
 
 	"github.com/idempotency-go/idempotency"
-	"github.com/idempotency-go/idempotency/internal/migrationtest"
+	"github.com/idempotency-go/idempotency/internal/testkit/migrationtest"
 )
 
 // Run on two memory stores needs no server, so the checks themselves are

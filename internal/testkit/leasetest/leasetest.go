@@ -18,7 +18,7 @@ import (
 	"time"
 
 	"github.com/idempotency-go/idempotency"
-	"github.com/idempotency-go/idempotency/internal/faultproxy"
+	"github.com/idempotency-go/idempotency/internal/testkit/faultproxy"
 )
 
 const (

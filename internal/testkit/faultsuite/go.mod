@@ -1,4 +1,4 @@
-module github.com/idempotency-go/idempotency/internal/faultsuite
+module github.com/idempotency-go/idempotency/internal/testkit/faultsuite
 
 go 1.26.0
 
@@ -37,6 +37,6 @@ require (
 )
 
 replace (
-	github.com/idempotency-go/idempotency => ../..
-	github.com/idempotency-go/idempotency/postgres => ../../postgres
+	github.com/idempotency-go/idempotency => ../../..
+	github.com/idempotency-go/idempotency/postgres => ../../../postgres
 )

@@ -1,4 +1,4 @@
-module github.com/idempotency-go/idempotency/internal/clientcompat
+module github.com/idempotency-go/idempotency/internal/testkit/clientcompat
 
 go 1.26.0
 
@@ -18,4 +18,4 @@ require (
 	golang.org/x/sys v0.48.0 // indirect
 )
 
-replace github.com/idempotency-go/idempotency => ../../
+replace github.com/idempotency-go/idempotency => ../../../

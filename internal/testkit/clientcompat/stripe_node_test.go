@@ -20,11 +20,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idempotency-go/idempotency"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // nodeDir holds the stripe-node script and the package-lock.json that pins
-// stripe-node; (cd internal/clientcompat/node && npm ci) installs it.
+// stripe-node; (cd internal/testkit/clientcompat/node && npm ci) installs it.
 const nodeDir = "node"
 
 // nodeMaxRetries is the script's maxNetworkRetries.
@@ -72,7 +72,7 @@ func stripeNode(t *testing.T) string {
 	}
 	installed, err := os.ReadFile(filepath.Join(nodeDir, "node_modules", "stripe", "package.json"))
 	if err != nil {
-		nodeUnavailable(t, "stripe-node is not installed (%v); run: (cd internal/clientcompat/node && npm ci)", err)
+		nodeUnavailable(t, "stripe-node is not installed (%v); run: (cd internal/testkit/clientcompat/node && npm ci)", err)
 	}
 	var pkg struct {
 		Version string `json:"version"`
@@ -88,7 +88,7 @@ func stripeNode(t *testing.T) string {
 	require.NoError(t, json.Unmarshal(lockFile, &lock))
 	locked := lock.Packages["node_modules/stripe"].Version
 	require.True(t, strings.HasPrefix(locked, "23."), "package-lock.json pins stripe %q, not 23.x", locked)
-	require.Equal(t, locked, pkg.Version, "the installed stripe-node is not the locked one; run: (cd internal/clientcompat/node && npm ci)")
+	require.Equal(t, locked, pkg.Version, "the installed stripe-node is not the locked one; run: (cd internal/testkit/clientcompat/node && npm ci)")
 	return node
 }
 

@@ -5,7 +5,7 @@
 // left no entry (its tests were skipped, say).
 //
 //	IDEMPOTENCY_REPORT=/tmp/r go test ./...
-//	go run ./internal/report/summary [-require faults,soak,...] /tmp/r
+//	go run ./internal/testkit/report/summary [-require faults,soak,...] /tmp/r
 package main
 
 import (
@@ -18,7 +18,7 @@ import (
 	"sort"
 	"strings"
 
-	"github.com/idempotency-go/idempotency/internal/report"
+	"github.com/idempotency-go/idempotency/internal/testkit/report"
 )
 
 func main() {

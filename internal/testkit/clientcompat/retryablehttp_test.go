@@ -16,8 +16,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idempotency-go/idempotency"
-	"github.com/idempotency-go/idempotency/internal/faultproxy"
-	"github.com/idempotency-go/idempotency/internal/testserver"
+	"github.com/idempotency-go/idempotency/internal/testkit/faultproxy"
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // The waits of every client made by newRetryClient, short so that the tests
