@@ -179,39 +179,33 @@ type instruments struct {
 
 func (m *instruments) counter(name, unit, desc string) metric.Int64Counter {
 	c, err := m.meter.Int64Counter(name, metric.WithUnit(unit), metric.WithDescription(desc))
-	m.errs = append(m.errs, err)
-	if c == nil {
-		return noop.Int64Counter{}
-	}
-	return c
+	return made(m, c, err, metric.Int64Counter(noop.Int64Counter{}))
 }
 
 func (m *instruments) histogram(name, desc string) metric.Float64Histogram {
 	h, err := m.meter.Float64Histogram(name, metric.WithUnit("s"), metric.WithDescription(desc),
 		metric.WithExplicitBucketBoundaries(durationBuckets...))
-	m.errs = append(m.errs, err)
-	if h == nil {
-		return noop.Float64Histogram{}
-	}
-	return h
+	return made(m, h, err, metric.Float64Histogram(noop.Float64Histogram{}))
 }
 
 func (m *instruments) upDown(name, unit, desc string) metric.Int64ObservableUpDownCounter {
 	c, err := m.meter.Int64ObservableUpDownCounter(name, metric.WithUnit(unit), metric.WithDescription(desc))
-	m.errs = append(m.errs, err)
-	if c == nil {
-		return noop.Int64ObservableUpDownCounter{}
-	}
-	return c
+	return made(m, c, err, metric.Int64ObservableUpDownCounter(noop.Int64ObservableUpDownCounter{}))
 }
 
 func (m *instruments) gauge(name, unit, desc string) metric.Int64ObservableGauge {
 	g, err := m.meter.Int64ObservableGauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
+	return made(m, g, err, metric.Int64ObservableGauge(noop.Int64ObservableGauge{}))
+}
+
+// made keeps err and returns instrument i, or none if the meter made none.
+func made[I comparable](m *instruments, i I, err error, none I) I {
 	m.errs = append(m.errs, err)
-	if g == nil {
-		return noop.Int64ObservableGauge{}
+	var zero I
+	if i == zero {
+		return none
 	}
-	return g
+	return i
 }
 
 func (m *instruments) callback(f metric.Callback, of ...metric.Observable) {

@@ -180,8 +180,9 @@ func testCompleteTxWrongContext(t *testing.T, f *fixture) {
 	require.NoError(t, err)
 }
 
-// A takeover completes in its transaction; the owner it took over from is
-// fenced off, however long its own transaction waited.
+// The takeover of an abandoned record completes in its transaction, as
+// attempt 2 with Abandoned set, under the dead attempt's operation ID: one
+// charge, answered with that ID.
 func testCompleteTxTakeover(t *testing.T, f *fixture) {
 	s, o := f.store(t)
 	table := charges(t, f, o)

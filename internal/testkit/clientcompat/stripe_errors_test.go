@@ -222,6 +222,18 @@ func TestStripeGoStripeErrors(t *testing.T) {
 	}
 }
 
+// problemStatuses are the errors an errorAPI answers, by code, with the
+// status the default ProblemDetails sends.
+var problemStatuses = []struct {
+	code   string
+	status int
+}{
+	{"key-reused", http.StatusUnprocessableEntity},
+	{"in-flight", http.StatusConflict},
+	{"body-too-large", http.StatusRequestEntityTooLarge},
+	{"store-unavailable", http.StatusServiceUnavailable},
+}
+
 // With the default problem+json, stripe-go still returns each error as an
 // error, never as a refund, but as a plain error whose text is the
 // problem+json body: no *stripe.Error, so no status, type or code for the
@@ -231,15 +243,7 @@ func TestStripeGoStripeErrors(t *testing.T) {
 // so the 422 and 413, which a retry cannot mend, are sent 1 +
 // MaxNetworkRetries times too.
 func TestStripeGoProblemDetails(t *testing.T) {
-	for _, c := range []struct {
-		code   string
-		status int
-	}{
-		{"key-reused", http.StatusUnprocessableEntity},
-		{"in-flight", http.StatusConflict},
-		{"body-too-large", http.StatusRequestEntityTooLarge},
-		{"store-unavailable", http.StatusServiceUnavailable},
-	} {
+	for _, c := range problemStatuses {
 		t.Run(c.code, func(t *testing.T) {
 			t.Parallel()
 			a := newErrorAPI(t, idempotency.ProblemDetails)

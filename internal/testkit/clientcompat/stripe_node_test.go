@@ -190,15 +190,7 @@ func TestStripeNodeErrors(t *testing.T) {
 		a := newErrorAPI(t, idempotency.ProblemDetails)
 		got := runStripeNode(t, node, a)
 		originals(t, got)
-		for _, c := range []struct {
-			code   string
-			status int
-		}{
-			{"key-reused", http.StatusUnprocessableEntity},
-			{"in-flight", http.StatusConflict},
-			{"body-too-large", http.StatusRequestEntityTooLarge},
-			{"store-unavailable", http.StatusServiceUnavailable},
-		} {
+		for _, c := range problemStatuses {
 			o, ok := got[c.code]
 			require.True(t, ok, "no line for %s", c.code)
 			assert.False(t, o.Threw, "%s: stripe-node threw: %+v", c.code, o)
