@@ -21,12 +21,11 @@ import (
 type waiter struct {
 	g        *Guard
 	req      ClaimRequest // Watch set: the record remembers that someone waits
-	cs       *callState
-	wake     Subscription
-	reread   *time.Timer // when the next re-read is due without a wake-up
-	sent     time.Time   // when the re-read that gave the last answer was sent
-	failed   error       // the last re-read's error, when it failed
-	failures int         // re-reads failed in a row
+	op       string       // the store call that failed, for the call's Observer
+	reread   *time.Timer  // when the next re-read is due without a wake-up
+	sent     time.Time    // when the re-read that gave the last answer was sent
+	failed   error        // the last re-read's error, when it failed
+	failures int          // re-reads failed in a row
 }
 
 // wait waits for the original of req, found in flight, and returns the claim
@@ -42,23 +41,27 @@ func (g *Guard) wait(ctx context.Context, req ClaimRequest, cs *callState) (c Cl
 	default:
 		return Claim{}, time.Time{}, fmt.Errorf("%w: %d requests already waiting", ErrInFlight, cap(g.waiting))
 	}
+	w := &waiter{g: g, req: req}
+	w.req.Watch = true
 	start := time.Now()
 	ctx, endWait := g.startPhase(ctx, PhaseWait, PhaseStart{Scope: req.Key.Scope})
 	defer func() {
 		cs.waited = time.Since(start)
+		if w.op != "" {
+			cs.op = w.op
+		}
 		endWait(err)
 	}()
-	w := &waiter{g: g, req: req, cs: cs}
-	w.req.Watch = true
 	wctx, cancel := context.WithTimeout(ctx, g.opts.WaitTimeout)
 	defer cancel()
-	if w.wake, err = g.subscribe(wctx, req.Key); err != nil {
+	wake, err := g.subscribe(wctx, req.Key)
+	if err != nil {
 		return Claim{}, time.Time{}, w.unsubscribed(ctx, wctx, err)
 	}
-	defer w.wake.Close()
+	defer wake.Close()
 	w.reread = time.NewTimer(g.opts.RecheckInterval)
 	defer w.reread.Stop()
-	return w.run(ctx, wctx)
+	return w.run(ctx, wctx, wake.C())
 }
 
 // unsubscribed is the error of a wait whose subscription failed: a wait
@@ -67,20 +70,21 @@ func (w *waiter) unsubscribed(ctx, wctx context.Context, err error) error {
 	if wctx.Err() != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, errCutOff) {
 		return ErrInFlight
 	}
-	w.cs.op = OpSubscribe
+	w.op = OpSubscribe
 	return errors.Join(ErrInFlight, err)
 }
 
-// run re-reads the record whenever it is woken or a re-read is due, until
-// the record is no longer in flight or the wait (wctx, within ctx) ends.
-func (w *waiter) run(ctx, wctx context.Context) (Claim, time.Time, error) {
+// run re-reads the record whenever it is woken (wake) or a re-read is due,
+// until the record is no longer in flight or the wait (wctx, within ctx)
+// ends.
+func (w *waiter) run(ctx, wctx context.Context, wake <-chan struct{}) (Claim, time.Time, error) {
 	for {
 		c, done, err := w.claim(ctx)
 		if done {
 			return c, w.sent, err
 		}
 		select {
-		case <-w.wake.C():
+		case <-wake:
 		case <-w.reread.C:
 		case <-wctx.Done():
 			return c, w.sent, w.timedOut(ctx)
@@ -106,7 +110,7 @@ func (w *waiter) claim(ctx context.Context) (c Claim, done bool, err error) {
 	c, err = w.g.claimOnce(ctx, w.req)
 	switch {
 	case err != nil && (ctx.Err() != nil || !errors.Is(err, ErrUnavailable)):
-		w.cs.op = OpClaim
+		w.op = OpClaim
 		return c, true, errors.Join(ErrInFlight, err)
 	case err != nil:
 		// A re-read the store could not answer (a connection reset, a
@@ -134,7 +138,7 @@ func (w *waiter) timedOut(ctx context.Context) error {
 	case ctx.Err() != nil:
 		return ctx.Err()
 	case w.failed != nil:
-		w.cs.op = OpClaim
+		w.op = OpClaim
 		return errors.Join(ErrInFlight, w.failed)
 	}
 	return ErrInFlight
