@@ -18,8 +18,8 @@ func verdict(ok bool) string {
 	return "MISS"
 }
 
-// budgets checks the library's performance budgets (issue 14); a check
-// whose inputs were not measured says n/a. A ratio's verdict is on the
+// budgets checks the library's performance budgets; a check whose inputs
+// were not measured says n/a. A ratio's verdict is on the
 // median of its run-by-run ratios.
 func budgets(rep *report) []check {
 	var checks []check
@@ -32,7 +32,10 @@ func budgets(rep *report) []check {
 		{at1(replayOp), at1(one), 0.95},
 		{at1(httpNewOp), at1(httpTwo), 0.9},
 		{httpNewOp, httpTwo, 0.9},
-		{newOp, pgNewOp, 6},
+		{at1(pgNewOp), at1(pgTwoStatements), 0.9},
+		{pgNewOp, pgTwoStatements, 0.9},
+		{at1(pgReplayOp), at1(pgOneSelect), 0.8},
+		{pgReplayOp, pgOneSelect, 0.8},
 	} {
 		what := fmt.Sprintf("%s ≥ %g × %s", b.row, b.want, b.floor)
 		r, f := rep.row(b.row), rep.row(b.floor)

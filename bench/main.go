@@ -128,6 +128,7 @@ type env struct {
 	slogGuard         *idempotency.Guard // redisGuard's store, logging every event
 	otelGuard         *idempotency.Guard // redisGuard's store, with the OpenTelemetry observer
 	pgGuard           *idempotency.Guard // nil without PostgreSQL
+	pgNaive           *naive             // the PostgreSQL floors' table; nil without PostgreSQL
 	pgSkip, pgVersion string
 
 	http    *http.Client
@@ -295,7 +296,11 @@ func (e *env) setupPostgres(ctx context.Context, cfg config) {
 		if err := s.Migrate(ctx); err != nil {
 			return err
 		}
+		if _, err := pool.Exec(ctx, naiveTable); err != nil {
+			return err
+		}
 		e.pgGuard = idempotency.New(s, idempotency.Options{Retention: retention})
+		e.pgNaive = &naive{pool: pool}
 		return nil
 	}()
 	if err != nil {
@@ -654,7 +659,7 @@ func writeTable(w io.Writer, rep *report) {
 			ratio = fmt.Sprintf("%.2f × %s (%.2f–%.2f)", vs.Median, strings.TrimPrefix(b.Name, "baseline/"), vs.Min, vs.Max)
 		}
 		server := "-"
-		if v := s.of(serverCPU).Median; !math.IsNaN(v) && !strings.HasPrefix(s.Name, "postgres/") && !strings.HasPrefix(s.Name, "memory/") {
+		if v := s.of(serverCPU).Median; !math.IsNaN(v) && !onPostgres(s.Name) && !strings.HasPrefix(s.Name, "memory/") {
 			server = fmt.Sprintf("%.1f", v)
 		}
 		ops := s.ops()
@@ -759,7 +764,7 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 func writeNeighbours(w io.Writer, rep *report) {
 	var others, steal []float64
 	for _, s := range rep.rows {
-		if strings.HasPrefix(s.Name, "postgres/") {
+		if onPostgres(s.Name) {
 			continue
 		}
 		for _, r := range s.Runs {

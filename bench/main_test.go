@@ -143,7 +143,7 @@ func TestRun(t *testing.T) {
 	assert.Regexp(t, `\n +200-byte body, 36-byte key name: +\d+ bytes, overhead \d+ bytes\n`, report)
 	assert.Regexp(t, `\n +10240-byte body,  6-byte key name: +\d+ bytes, overhead \d+ bytes\n`, report)
 	budgets := regexp.MustCompile(`(?m)^  (PASS|MISS)  `).FindAllString(report, -1)
-	assert.Len(t, budgets, 7, "judged budgets in:\n%s", report)
+	assert.Len(t, budgets, 10, "judged budgets in:\n%s", report)
 	assert.Regexp(t, `(?m)^  redis/http-new-operation +\d+\.\d allocs/op, baseline/http-two-roundtrips +\d+\.\d \([+-]\d+\.\d\)$`, report)
 	assert.Contains(t, report, "PostgreSQL 1")
 	assert.NotContains(t, report, "FLUSHALL")
@@ -171,7 +171,7 @@ func TestRunEmbedded(t *testing.T) {
 	assert.Contains(t, table, "Commands of a waiting request: not counted")
 	assert.Contains(t, table, "not measured: needs INFO commandstats")
 	assert.Contains(t, table, "not measured: miniredis")
-	assert.Regexp(t, `n/a +redis/new-operation ≥ 6 × postgres/new-operation`, table)
+	assert.Regexp(t, `n/a +postgres/new-operation ≥ 0\.9 × baseline/postgres-two-statements`, table)
 	assert.Contains(t, table, "Redis miniredis (embedded)")
 	assert.Contains(t, table, "emptied (FLUSHALL) before every run")
 }
@@ -253,7 +253,10 @@ func TestBudgets(t *testing.T) {
 			runsOf(at1(httpNewOp), 700, 800, 950),
 			runsOf(httpTwo, 1000, 2000, 1000),
 			runsOf(httpNewOp, 900, 1800, 900),
-			runsOf(pgNewOp, 100, 200, 250),
+			runsOf(pgTwoStatements, 1000, 1000, 1000),
+			runsOf(pgNewOp, 850, 900, 950),
+			runsOf(pgOneSelect, 1000, 1000, 1000),
+			runsOf(pgReplayOp, 700, 790, 900),
 		},
 		memory: []recordMemory{{Body: 200, Usage: 400}},
 	}
@@ -263,17 +266,20 @@ func TestBudgets(t *testing.T) {
 		got[c.what] = c.verdict
 	}
 	assert.Equal(t, map[string]string{
-		"redis/new-operation@1 ≥ 0.9 × baseline/two-roundtrips@1":           "PASS",
-		"redis/new-operation ≥ 1 × baseline/two-roundtrips":                 "PASS",
-		"redis/replay@1 ≥ 0.95 × baseline/one-roundtrip@1":                  "n/a",
-		"redis/http-new-operation@1 ≥ 0.9 × baseline/http-two-roundtrips@1": "MISS",
-		"redis/http-new-operation ≥ 0.9 × baseline/http-two-roundtrips":     "PASS",
-		"redis/new-operation ≥ 6 × postgres/new-operation":                  "MISS",
-		"Redis memory per 200-byte record ≤ body + 200 bytes":               "PASS",
+		"redis/new-operation@1 ≥ 0.9 × baseline/two-roundtrips@1":             "PASS",
+		"redis/new-operation ≥ 1 × baseline/two-roundtrips":                   "PASS",
+		"redis/replay@1 ≥ 0.95 × baseline/one-roundtrip@1":                    "n/a",
+		"redis/http-new-operation@1 ≥ 0.9 × baseline/http-two-roundtrips@1":   "MISS",
+		"redis/http-new-operation ≥ 0.9 × baseline/http-two-roundtrips":       "PASS",
+		"postgres/new-operation@1 ≥ 0.9 × baseline/postgres-two-statements@1": "n/a",
+		"postgres/new-operation ≥ 0.9 × baseline/postgres-two-statements":     "PASS",
+		"postgres/replay@1 ≥ 0.8 × baseline/postgres-select@1":                "n/a",
+		"postgres/replay ≥ 0.8 × baseline/postgres-select":                    "MISS",
+		"Redis memory per 200-byte record ≤ body + 200 bytes":                 "PASS",
 	}, got)
 
 	rep.memory[0].Usage = 401
-	assert.Equal(t, "MISS", budgets(rep)[6].verdict)
+	assert.Equal(t, "MISS", budgets(rep)[9].verdict)
 	assert.Equal(t, "0.90 ×  (0.79–0.92; 950 / 1200 ops/s)", budgets(rep)[0].got)
 }
 

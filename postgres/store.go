@@ -51,11 +51,14 @@ type Options struct {
 	Channel string
 }
 
-// oneRoundTrip runs a statement of an operation's path in one round trip on
-// any connection. pgx's default prepares each statement on its first use on
-// a connection, a round trip more, which a slow network can make cost an
-// owner its lease: an owner's calls must fit in it, however fresh the
-// connection.
+// oneRoundTrip runs an owner's statement in one round trip on any
+// connection. pgx's default prepares each statement on its first use on a
+// connection, a round trip more, which a slow network can make cost an owner
+// its lease: an owner's calls must fit in it, however fresh the connection.
+// A claim is not an owner's call yet, and runs in the pool's own query mode:
+// a statement prepared once per connection (pgx's default) spares the
+// server parsing and planning it on every claim, and a pool set up for a
+// transaction-pooling proxy keeps its own mode.
 const oneRoundTrip = pgx.QueryExecModeExec
 
 // deleteBatch bounds the rows one DeleteExpired statement deletes, so that
@@ -278,7 +281,7 @@ func (s *Store) migrateOnce(ctx context.Context, tmpl *template.Template, lockTi
 // Claim implements idempotency.Store in one round trip.
 func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.Claim, error) {
 	var r claimRow
-	err := s.pool.QueryRow(ctx, s.claimSQL, oneRoundTrip, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID,
+	err := s.pool.QueryRow(ctx, s.claimSQL, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID,
 		req.Lease.Microseconds(), req.Retention.Microseconds(), req.Watch).
 		Scan(&r.state, &r.operationID, &r.attempt, &r.token, &r.response, &r.leftUS, &r.abandoned)
 	if err != nil {
