@@ -38,8 +38,8 @@ type ownerRef struct {
 // without a gap: claims go to new, but a key old already holds is honoured
 // as it is there (replayed, mismatched, waited for, or taken over with its
 // operation ID) instead of run again, and the record moves to new. Use it
-// until old's retention window has run out, then use new alone; the README
-// gives the whole procedure.
+// until old's retention window has run out, then use new alone;
+// docs/stores.md in the repository gives the whole procedure.
 //
 // A claim that is fresh in new costs a claim in old as well; one new can
 // answer costs nothing more. A waiter is woken by a settlement in either

@@ -524,7 +524,7 @@ func (s *RedisStore) Subscribe(ctx context.Context, k Key) (Subscription, error)
 // Stats counts the records in flight from the buckets' in-flight indexes,
 // in one pipeline of two commands per bucket, judged by the clock of the
 // server that answers TIME. A record whose retention ran out while in
-// flight counts as abandoned until a sweep (Abandoned) prunes it from the
+// flight counts as abandoned until a sweep (ListAbandoned) prunes it from the
 // index.
 func (s *RedisStore) Stats(ctx context.Context) (Stats, error) {
 	now, err := s.c.Time(ctx).Result()

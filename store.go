@@ -131,7 +131,7 @@ type Claim struct {
 // count of Abandoned that grows and stays up means abandoned operations
 // that no retry and no sweep settles. The stores in this module and the
 // postgres package have a Stats method; it costs about as much as one call
-// of Abandoned, so read it on a scrape interval, not per request.
+// of ListAbandoned, so read it on a scrape interval, not per request.
 type Stats struct {
 	// InFlight counts the records in flight whose owner's lease is live.
 	InFlight int64

@@ -21,7 +21,7 @@ const (
 	longRetention = time.Hour   // a retention that never runs out during a case
 	wakeTimeout   = 5 * time.Second
 	claimers      = 50 // goroutines that race for one record
-	// listAll is a limit for Abandoned above every record a shared store
+	// listAll is a limit for ListAbandoned above every record a shared store
 	// holds for the suite, so that a case sees all of its own.
 	listAll = 100000
 )

@@ -239,8 +239,6 @@ func (o *Observer) Track(g *idempotency.Guard) (untrack func()) {
 	}
 }
 
-// observeInFlight reports the tracked Guards' sums, one observation of
-// each instrument as the API asks, however many Guards there are.
 // TrackStore reports s's Stats as idempotency.store.records, with
 // idempotency.record.state = in_flight or abandoned, read from the store
 // each time the metrics are collected, until untrack is called. Every
@@ -290,6 +288,8 @@ func (o *Observer) observeStores(ctx context.Context, obs metric.Observer) error
 	return nil
 }
 
+// observeInFlight reports the tracked Guards' sums, one observation of
+// each instrument as the API asks, however many Guards there are.
 func (o *Observer) observeInFlight(_ context.Context, obs metric.Observer) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()

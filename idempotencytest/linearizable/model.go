@@ -35,7 +35,7 @@ import (
 // no caller learnt leaves token 0, which every owner's call is fenced by.
 //
 // Left out: retention (Check uses one that outlasts the history), Watch and
-// Subscribe (wake-ups are a liveness matter), and Abandoned, which lists
+// Subscribe (wake-ups are a liveness matter), and ListAbandoned, which lists
 // records across keys.
 
 // never is the end of the window of a call whose outcome is unknown. It is far

@@ -1,5 +1,5 @@
 // Package leasetest checks an owner's lease discipline against a real store
-// over a faulty network (issue 10): an owner A whose link to the store goes
+// over a faulty network: an owner A whose link to the store goes
 // silent or slow must stop before anyone else can own its record, and must
 // not give the record up while its renewals still get through. A reaches
 // the store through a faultproxy; its rival B, directly.
@@ -80,7 +80,7 @@ func resetOnNextRequest(forward bool) linkFault {
 	return linkFault{Name: name, Inject: func(p *faultproxy.Proxy) { p.ResetOnNextRequest(forward) }, Reconnects: true}
 }
 
-// Partitions runs the partition scenario of issue 10 with leases of 1s and
+// Partitions runs the partition scenario with leases of 1s and
 // 3s: see lost.
 func Partitions(t *testing.T, rig Rig) {
 	for _, lease := range []time.Duration{time.Second, 3 * time.Second} {

@@ -1,5 +1,5 @@
 // Package restarttest kills a store's server under load and starts it again
-// on the same address and data (issue 15). It checks, for every store, that
+// on the same address and data. It checks, for every store, that
 // calls fail closed while the server is down and that the same Guards, on
 // the same clients, succeed once it is back; it counts what the restart
 // lost. For a server that keeps every write it acknowledged it also checks
