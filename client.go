@@ -136,11 +136,7 @@ func checkKeyField(values []string) error {
 		return fmt.Errorf("%w: %s set %d times", ErrInvalidKey, HeaderKey, len(values))
 	}
 	for _, v := range values {
-		name, err := parseKey(v)
-		if err != nil {
-			return err
-		}
-		if err := (Key{Name: name}).Validate(); err != nil {
+		if _, err := keyName(v); err != nil {
 			return err
 		}
 	}

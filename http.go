@@ -253,19 +253,27 @@ func (h *guarded) admit(r *http.Request, values []string) (Key, []byte, error) {
 	default:
 		return Key{}, nil, errKeyRepeated
 	}
-	name, err := parseKey(values[0])
+	name, err := keyName(values[0])
 	if err != nil {
 		return Key{}, nil, err
 	}
 	k := Key{Name: name}
-	if err := k.Validate(); err != nil {
-		return Key{}, nil, err
-	}
 	if k.Scope, err = h.o.Scope(r); err != nil {
 		return Key{}, nil, errScope
 	}
 	body, err := h.readBody(r)
 	return k, body, err
+}
+
+// keyName is the key an Idempotency-Key field value names, or an error
+// matching ErrInvalidKey: the one rule for a key, on both sides of a
+// request.
+func keyName(v string) (string, error) {
+	name, err := parseKey(v)
+	if err != nil {
+		return "", err
+	}
+	return name, Key{Name: name}.Validate()
 }
 
 // parseKey reads an Idempotency-Key field value: an RFC 8941 sf-string with

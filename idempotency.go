@@ -361,11 +361,11 @@ type Result struct {
 // the outcome fails, Do returns ErrFenced or ErrUnavailable and no Response:
 // the caller must not report success it could not record.
 func (g *Guard) Do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error)) (Result, error) {
-	t := g.newCall("", "")
-	return g.call(ctx, k, fp, fn, &t)
+	cs := g.newCall("", "")
+	return g.call(ctx, k, fp, fn, &cs)
 }
 
-// call is Do for every transport, told of the call by t: the HTTP method
+// call is Do for every transport, told of the call by cs: the HTTP method
 // and route for the Observer, and failOpen, which runs the operation
 // unguarded when the store could not be asked to claim the key (see
 // mayFailOpen).
@@ -391,7 +391,7 @@ func mayFailOpen(ctx context.Context, cs *callState, err error) bool {
 		ctx.Err() == nil
 }
 
-// do is Do, telling t what its Observer will want to know.
+// do is Do, telling cs what its Observer will want to know.
 func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error), cs *callState) (Result, error) {
 	if err := k.Validate(); err != nil {
 		return Result{}, err
@@ -495,8 +495,11 @@ type Info struct {
 	// DownstreamKey before acting again.
 	Abandoned bool
 
-	owner *owner               // the attempt's hold on the record
-	early func(Response) error // see settleEarly
+	owner *owner // the attempt's hold on the record
+	early bool   // the operation may settle early (see settleEarly)
+	// settled: the operation settled early. Written and read on the
+	// operation's goroutine only.
+	settled bool
 
 	mu        sync.Mutex
 	set       bool // SetDisposition was called: the default no longer applies
@@ -510,10 +513,14 @@ type Info struct {
 // The operation's later return then settles nothing. It is there only for
 // an operation run by Guard.Do (not for Options.Recover).
 func (i *Info) settleEarly(resp Response) error {
-	if i.early == nil {
+	if !i.early {
 		return errors.New("idempotency: no early settlement here")
 	}
-	return i.early(resp)
+	if err := i.owner.settle(resp, i.disposition()); err != nil {
+		return err
+	}
+	i.settled = true
+	return nil
 }
 
 type infoKey struct{}

@@ -238,7 +238,7 @@ func (g *Guard) observe(ctx context.Context, e Event) {
 	}
 }
 
-// report tells the Observer how the call t, for a key of scope, ended.
+// report tells the Observer how the call cs, for a key of scope, ended.
 func (g *Guard) report(ctx context.Context, scope string, cs *callState, res Result, err error) {
 	if g.opts.Observer == nil {
 		return

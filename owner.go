@@ -117,13 +117,7 @@ func untouched(c Claim) Disposition {
 // giveBack gives the record of k back to s as untouched says, for the owner
 // that claim c made, when it acted on nothing.
 func giveBack(ctx context.Context, s Store, k Key, c Claim) error {
-	switch untouched(c) {
-	case abandon:
-		return s.Abandon(ctx, k, c.Token)
-	case Forget:
-		return s.Forget(ctx, k, c.Token)
-	}
-	return s.Release(ctx, k, c.Token)
+	return apply(ctx, s, k, c.Token, Response{}, untouched(c), 0)
 }
 
 // close ends the owner, whatever became of the record: no renewal is sent
@@ -194,21 +188,11 @@ func (o *owner) recover() (Response, Disposition, error) {
 // before it returns (see Info.settleEarly).
 func (o *owner) call(f func(ctx context.Context) (Response, error), onPanic Disposition, early bool) (Response, Disposition, error) {
 	c := o.c
-	info := &Info{OperationID: c.OperationID, Attempt: c.Attempt, Token: c.Token, Takeover: c.Attempt > 1, Abandoned: c.Abandoned, owner: o}
-	settled := false
-	if early {
-		// Called on f's goroutine, before f returns: settled needs no lock.
-		info.early = func(resp Response) error {
-			if err := o.settle(resp, info.disposition()); err != nil {
-				return err
-			}
-			settled = true
-			return nil
-		}
-	}
+	info := &Info{OperationID: c.OperationID, Attempt: c.Attempt, Token: c.Token, Takeover: c.Attempt > 1, Abandoned: c.Abandoned,
+		owner: o, early: early}
 	returned := false
 	defer func() {
-		if !returned && !settled {
+		if !returned && !info.settled {
 			_ = o.settle(Response{}, onPanic)
 		}
 	}()
@@ -227,7 +211,7 @@ func (o *owner) call(f func(ctx context.Context) (Response, error), onPanic Disp
 	resp, err := f(fctx)
 	endRun(err)
 	returned = true
-	if settled {
+	if info.settled {
 		return resp, Settled, err
 	}
 	if err != nil {
@@ -325,10 +309,10 @@ func (o *owner) awaitRenewal(full bool) {
 func (g *Guard) applyWithin(ctx context.Context, k Key, token uint64, resp Response, d Disposition) error {
 	var err error
 	if g.callsEndByDeadline {
-		err = g.apply(ctx, k, token, resp, d)
+		err = apply(ctx, g.store, k, token, resp, d, g.opts.Retention)
 	} else {
 		done := make(chan error, 1)
-		go func() { done <- g.apply(ctx, k, token, resp, d) }()
+		go func() { done <- apply(ctx, g.store, k, token, resp, d, g.opts.Retention) }()
 		select {
 		case err = <-done:
 		case <-ctx.Done():
@@ -341,17 +325,18 @@ func (g *Guard) applyWithin(ctx context.Context, k Key, token uint64, resp Respo
 	return err
 }
 
-// apply is the store call that gives d effect for the owner of token.
-func (g *Guard) apply(ctx context.Context, k Key, token uint64, resp Response, d Disposition) error {
+// apply is the store call that gives d effect on s for the owner of token;
+// a completion keeps resp for retention.
+func apply(ctx context.Context, s Store, k Key, token uint64, resp Response, d Disposition, retention time.Duration) error {
 	switch d {
 	case Keep:
-		return g.store.Complete(ctx, k, token, resp, g.opts.Retention)
+		return s.Complete(ctx, k, token, resp, retention)
 	case Release:
-		return g.store.Release(ctx, k, token)
+		return s.Release(ctx, k, token)
 	case Forget:
-		return g.store.Forget(ctx, k, token)
+		return s.Forget(ctx, k, token)
 	case abandon:
-		return g.store.Abandon(ctx, k, token)
+		return s.Abandon(ctx, k, token)
 	}
 	return fmt.Errorf("idempotency: no store call settles %v", d)
 }

@@ -159,7 +159,7 @@ type Stats struct {
 // ErrFenced (a 503), and its retry replays what was committed.
 func CompleteOutside(ctx context.Context, s Store, resp Response, complete func(k Key, token uint64, retention time.Duration) error) error {
 	i, ok := FromContext(ctx)
-	if !ok || i.owner == nil {
+	if !ok {
 		return fmt.Errorf("%w to complete", ErrNoOperation)
 	}
 	o := i.owner
