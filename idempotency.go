@@ -279,8 +279,9 @@ type Guard struct {
 	waiting chan struct{} // one slot per call waiting for an original, Options.MaxWaiters in all
 	owners  atomic.Int64  // owners between own and close: operations running here
 	phases  PhaseObserver // Options.Observer, when it traces phases
-	// callsEndByDeadline: every call of the store returns by its context's
-	// deadline (see New), so applyWithin calls it on the caller's goroutine.
+	// callsEndByDeadline: the store vouches that every call returns by its
+	// context's deadline (DeadlineBound), so applyWithin calls it on the
+	// caller's goroutine.
 	callsEndByDeadline bool
 }
 
@@ -297,17 +298,8 @@ func New(store Store, opts Options) *Guard {
 	opts = opts.withDefaults()
 	g := &Guard{store: store, opts: opts, waiting: make(chan struct{}, opts.MaxWaiters)}
 	g.phases, _ = opts.Observer.(PhaseObserver)
-	// Only this package's stores can vouch that every call returns by its
-	// context's deadline: MemoryStore waits for nothing but its lock, and a
-	// RedisStore knows its client's settings (go-redis without
-	// ContextTimeoutEnabled holds a call on a silent connection for its own
-	// timeouts). The concrete types only: a type embedding one may replace
-	// the very calls they vouch for.
-	switch s := store.(type) {
-	case *MemoryStore:
-		g.callsEndByDeadline = true
-	case *RedisStore:
-		g.callsEndByDeadline = s.endsByDeadline
+	if d, ok := store.(DeadlineBound); ok {
+		g.callsEndByDeadline = d.EndsByDeadline(store)
 	}
 	return g
 }

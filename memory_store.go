@@ -66,6 +66,10 @@ func NewMemoryStore(opts MemoryOptions) *MemoryStore {
 	return &MemoryStore{opts: opts, records: make(map[Key]*memRecord)}
 }
 
+// EndsByDeadline implements DeadlineBound: a MemoryStore waits for nothing
+// but its lock.
+func (s *MemoryStore) EndsByDeadline(as Store) bool { return as == Store(s) }
+
 // Claim implements Store.
 func (s *MemoryStore) Claim(_ context.Context, req ClaimRequest) (Claim, error) {
 	s.mu.Lock()

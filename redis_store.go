@@ -247,6 +247,11 @@ func (s *RedisStore) useClient(c redis.UniversalClient) (readTimeout time.Durati
 // client. Waiters still waiting fall back to re-reading on a timer.
 func (s *RedisStore) Close() error { return s.pubsub.close() }
 
+// EndsByDeadline implements DeadlineBound: a RedisStore vouches on a
+// *redis.Client with ContextTimeoutEnabled and socket deadlines on, without
+// which go-redis holds a call on a silent connection for its own timeouts.
+func (s *RedisStore) EndsByDeadline(as Store) bool { return as == Store(s) && s.endsByDeadline }
+
 // Claim implements Store. With RedisOptions.Replicas set, a claim that
 // makes the caller the owner is confirmed by as many replicas before it is
 // returned. When it is not, the operation must not run, since a failover

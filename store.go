@@ -77,6 +77,19 @@ type Store interface {
 	Subscribe(ctx context.Context, k Key) (Subscription, error)
 }
 
+// DeadlineBound is implemented by a Store whose every call returns by its
+// context's deadline, however silent its connection. A Guard made with such
+// a store settles records on the caller's goroutine, which spares each
+// operation a goroutine and its hand-over; with any other store it settles
+// them on a goroutine of its own, which it stops waiting for at the lease's
+// local end. EndsByDeadline is given the Store the Guard was made with, and
+// vouches only if that is the implementing value itself: a type that embeds
+// a Store, and may replace the very calls it vouches for, inherits the
+// method but not the vouch.
+type DeadlineBound interface {
+	EndsByDeadline(s Store) bool
+}
+
 // Subscription delivers wake-ups for one record until it is closed.
 type Subscription interface {
 	// C receives a value after the record may have changed.

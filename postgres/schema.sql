@@ -23,6 +23,7 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
     response     bytea       CHECK ((state = 'completed') = (response IS NOT NULL)),
     -- A waiter registered on this record: only then does settling it notify.
     waiters      boolean     NOT NULL DEFAULT false,
+    -- When the record was made or, once forgotten, when it was forgotten.
     created_at   timestamptz NOT NULL DEFAULT now(),
     expires_at   timestamptz NOT NULL,
     PRIMARY KEY (scope, key)
@@ -48,7 +49,11 @@ BEGIN
 END
 $migrate$;
 
--- Claim applies one claim (see idempotency.Store.Claim) in one round trip.
+-- Claim applies one claim (see idempotency.Store.Claim) in one statement:
+-- the Store's claim statement (store.go) calls it whenever the record, read
+-- without it, does not decide the claim. The writes that draw a token from
+-- a row they have locked count the lease and the retention from the draw,
+-- by clock_timestamp(), rather than from the statement's start.
 -- Under READ COMMITTED each statement below sees the latest committed row,
 -- and every write re-checks its condition on the row it locks; when the row
 -- changed in between, the loop reads it again. So a claim never answers from
@@ -65,24 +70,37 @@ CREATE OR REPLACE FUNCTION {{.Claim}}(
 LANGUAGE plpgsql AS $$
 DECLARE
     r {{.Table}}%ROWTYPE;
+    prompt boolean;
 BEGIN
     LOOP
         SELECT * INTO r FROM {{.Table}} t WHERE t.scope = p_scope AND t.key = p_key;
 
         IF NOT FOUND THEN
-            INSERT INTO {{.Table}} AS t (scope, key, fingerprint, state, token, attempt, operation_id, lease_until, expires_at)
-            VALUES (p_scope, p_key, p_fingerprint, 'in_progress', 0, 1, p_operation_id,
+            -- The token is drawn in the INSERT, before the conflict check: a
+            -- record of this key made after the draw, with a greater token,
+            -- and deleted before the check would leave this one a smaller
+            -- token than one issued before it. Deleting a record takes its
+            -- expiry (or forgetting) and then DeleteExpired's grace, twice
+            -- promptClaim (store.go); every record made after the draw
+            -- expires after it, less promptClaim if its own claim was
+            -- prompt. So a prompt claim, one whose check came within
+            -- promptClaim of its start, cannot have missed such a record. A
+            -- slower one (a stalled backend, a long lock wait) draws again,
+            -- now that the row is its own.
+            INSERT INTO {{.Table}} AS t (scope, key, fingerprint, state, attempt, operation_id, lease_until, expires_at)
+            VALUES (p_scope, p_key, p_fingerprint, 'in_progress', 1, p_operation_id,
                     now() + p_lease_us * interval '1 microsecond',
                     now() + p_retention_us * interval '1 microsecond')
-            ON CONFLICT (scope, key) DO NOTHING;
+            ON CONFLICT (scope, key) DO NOTHING
+            RETURNING t.token, clock_timestamp() - now() <= {{.PromptClaim}} INTO o_token, prompt;
             IF FOUND THEN
-                -- The token is drawn only now that the row is ours. Drawn in
-                -- the INSERT, it would precede the conflict check, and a
-                -- record of this key made and deleted in between could have
-                -- been given a greater one.
-                UPDATE {{.Table}} t SET token = DEFAULT
-                WHERE t.scope = p_scope AND t.key = p_key
-                RETURNING t.token INTO o_token;
+                IF NOT prompt THEN
+                    UPDATE {{.Table}} t SET token = DEFAULT,
+                        lease_until = clock_timestamp() + p_lease_us * interval '1 microsecond',
+                        expires_at = clock_timestamp() + p_retention_us * interval '1 microsecond'
+                    WHERE t.scope = p_scope AND t.key = p_key
+                    RETURNING t.token INTO o_token;
+                END IF;
                 o_state := 'owner'; o_operation_id := p_operation_id; o_attempt := 1; o_abandoned := false;
                 RETURN;
             END IF;
@@ -93,9 +111,9 @@ BEGIN
             -- An expired record counts as absent: make a new one in its place.
             UPDATE {{.Table}} t SET fingerprint = p_fingerprint, state = 'in_progress', token = DEFAULT,
                 attempt = 1, operation_id = p_operation_id,
-                lease_until = now() + p_lease_us * interval '1 microsecond',
+                lease_until = clock_timestamp() + p_lease_us * interval '1 microsecond',
                 response = NULL, waiters = false, created_at = now(),
-                expires_at = now() + p_retention_us * interval '1 microsecond'
+                expires_at = clock_timestamp() + p_retention_us * interval '1 microsecond'
             WHERE t.scope = p_scope AND t.key = p_key AND t.expires_at <= now()
             RETURNING t.token INTO o_token;
             IF FOUND THEN
@@ -141,8 +159,8 @@ BEGIN
         -- The new owner must not lose the record to its retention while it
         -- runs: expires_at is pushed out to a full retention if sooner.
         UPDATE {{.Table}} t SET state = 'in_progress', token = DEFAULT, attempt = t.attempt + 1,
-            lease_until = now() + p_lease_us * interval '1 microsecond',
-            expires_at = greatest(t.expires_at, now() + p_retention_us * interval '1 microsecond')
+            lease_until = clock_timestamp() + p_lease_us * interval '1 microsecond',
+            expires_at = greatest(t.expires_at, clock_timestamp() + p_retention_us * interval '1 microsecond')
         WHERE t.scope = p_scope AND t.key = p_key AND t.token = r.token AND t.state = r.state
             AND t.expires_at > now()
             AND (t.state = 'released' OR (t.state = 'in_progress' AND t.lease_until <= now()))
@@ -152,6 +170,68 @@ BEGIN
             RETURN;
         END IF;
     END LOOP;
+END
+$$;
+
+-- The owner's writes, one function per transition (see idempotency.Store):
+-- each changes the record only while p_token owns it, in flight and not
+-- expired, and returns whether it did. The Store calls them in one round
+-- trip on any connection, unprepared, where the statements inside keep
+-- their plans for the session.
+
+-- Complete stores the outcome. In the caller's transaction (p_in_tx), now()
+-- is when the transaction began: the lease is judged by the clock at the
+-- statement itself.
+CREATE OR REPLACE FUNCTION {{.Complete}}(p_scope text, p_key text, p_token bigint,
+    p_response bytea, p_retention_us bigint, p_in_tx boolean) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE {{.Table}} t SET state = 'completed', response = p_response,
+        expires_at = now() + p_retention_us * interval '1 microsecond'
+    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state = 'in_progress'
+        AND t.expires_at > now() AND (NOT p_in_tx OR t.lease_until > clock_timestamp());
+    RETURN FOUND;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {{.Release}}(p_scope text, p_key text, p_token bigint) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE {{.Table}} t SET state = 'released'
+    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state = 'in_progress'
+        AND t.expires_at > now();
+    RETURN FOUND;
+END
+$$;
+
+-- Forget expires the record rather than delete it: it counts as absent at
+-- once, and DeleteExpired deletes it after its grace (see the claim
+-- function), counted from created_at, which for a forgotten record says
+-- when it was forgotten.
+CREATE OR REPLACE FUNCTION {{.Forget}}(p_scope text, p_key text, p_token bigint) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE {{.Table}} t SET state = 'released', expires_at = '-infinity', created_at = now()
+    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state = 'in_progress'
+        AND t.expires_at > now();
+    RETURN FOUND;
+END
+$$;
+
+-- Heartbeat renews the lease for p_lease_us from now, and moves the expiry
+-- with it, as idempotency.Store.Heartbeat says (SET reads the row as it
+-- was). A lease of 0 abandons the record: no later claim's now() precedes
+-- this one's.
+CREATE OR REPLACE FUNCTION {{.Heartbeat}}(p_scope text, p_key text, p_token bigint, p_lease_us bigint) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    renewed timestamptz := now() + p_lease_us * interval '1 microsecond';
+BEGIN
+    UPDATE {{.Table}} t SET lease_until = renewed,
+        expires_at = greatest(t.expires_at + greatest(renewed - t.lease_until, interval '0'), renewed)
+    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state = 'in_progress'
+        AND t.expires_at > now();
+    RETURN FOUND;
 END
 $$;
 

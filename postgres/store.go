@@ -51,15 +51,23 @@ type Options struct {
 	Channel string
 }
 
-// oneRoundTrip runs an owner's statement in one round trip on any
-// connection. pgx's default prepares each statement on its first use on a
-// connection, a round trip more, which a slow network can make cost an owner
-// its lease: an owner's calls must fit in it, however fresh the connection.
-// A claim is not an owner's call yet, and runs in the pool's own query mode:
-// a statement prepared once per connection (pgx's default) spares the
-// server parsing and planning it on every claim, and a pool set up for a
+// oneRoundTrip runs an owner's write in one round trip on any connection.
+// pgx's default prepares each statement on its first use on a connection, a
+// round trip more, which a slow network can make cost an owner its lease: an
+// owner's calls must fit in it, however fresh the connection. The write is a
+// call of a function (schema.sql), which the server parses and plans in
+// little time, and whose own statement keeps its plan for the session. A
+// claim is not an owner's call yet, and runs in the pool's own query mode: a
+// statement prepared once per connection (pgx's default) spares the server
+// parsing and planning it on every claim, and a pool set up for a
 // transaction-pooling proxy keeps its own mode.
 const oneRoundTrip = pgx.QueryExecModeExec
+
+// promptClaim is the longest a claim may take from its start to its
+// insertion of a new record and keep the token it drew there (see the claim
+// function in schema.sql); DeleteExpired leaves a record twice as long after
+// it expired, or was forgotten, which is what keeps tokens growing.
+const promptClaim = time.Second
 
 // deleteBatch bounds the rows one DeleteExpired statement deletes, so that
 // no transaction holds many row locks or runs for long.
@@ -85,6 +93,9 @@ type Store struct {
 	pool *pgxpool.Pool
 	opts Options
 	// The table's statements, with its quoted name filled in.
+	// endsByDeadline: pgx ends every call of the pool by its context's
+	// deadline (see EndsByDeadline).
+	endsByDeadline                                                                                               bool
 	claimSQL, completeSQL, completeTxSQL, releaseSQL, forgetSQL, heartbeatSQL, abandonedSQL, statsSQL, deleteSQL string
 
 	mu   sync.Mutex
@@ -99,7 +110,10 @@ type Store struct {
 	closed    bool
 }
 
-var _ idempotency.Store = (*Store)(nil)
+var (
+	_ idempotency.Store         = (*Store)(nil)
+	_ idempotency.DeadlineBound = (*Store)(nil)
+)
 
 // New returns a Store that keeps its records in pool's database. Call
 // Migrate before first use, and Close when done with the Store.
@@ -112,29 +126,19 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 	}
 	n := newNames(o.Table)
 	t := n.Table
-	// A record is owned by a token while it is in flight and not expired.
-	const owned = `scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress' AND expires_at > now()`
-	// A renewed lease's end: $4 is the lease in microseconds.
-	const renewed = `now() + $4 * interval '1 microsecond'`
+	// An owner's write: $1, $2 and $3 are the key and the token.
+	owner := func(f string, args string) string { return `SELECT ` + f + `($1, $2, $3` + args + `)` }
+	grace := interval(2 * promptClaim)
 	return &Store{
-		pool: pool,
-		opts: o,
-		claimSQL: `SELECT o_state, coalesce(o_operation_id, ''), coalesce(o_attempt, 0), coalesce(o_token, 0), o_response,
-				coalesce(o_lease_left_us, 0), coalesce(o_abandoned, false)
-			FROM ` + n.Claim + `($1, $2, $3, $4, $5, $6, $7)`,
-		completeSQL: `UPDATE ` + t + ` SET state = 'completed', response = $4,
-			expires_at = now() + $5 * interval '1 microsecond' WHERE ` + owned,
-		// In the caller's transaction, now() is when it began: the lease is
-		// judged by the clock at the statement itself.
-		completeTxSQL: `UPDATE ` + t + ` SET state = 'completed', response = $4,
-			expires_at = now() + $5 * interval '1 microsecond' WHERE ` + owned + ` AND lease_until > clock_timestamp()`,
-		releaseSQL: `UPDATE ` + t + ` SET state = 'released' WHERE ` + owned,
-		forgetSQL:  `DELETE FROM ` + t + ` WHERE ` + owned,
-		// The expiry moves with the lease, as Store.Heartbeat says; SET
-		// reads the row as it was.
-		heartbeatSQL: `UPDATE ` + t + ` SET lease_until = ` + renewed + `,
-			expires_at = greatest(expires_at + greatest(` + renewed + ` - lease_until, interval '0'), ` + renewed + `)
-			WHERE ` + owned,
+		pool:           pool,
+		opts:           o,
+		endsByDeadline: deadlineHandled(pool),
+		claimSQL:       claimSQL(t, n.Claim),
+		completeSQL:    owner(n.Complete, `, $4, $5, false`),
+		completeTxSQL:  owner(n.Complete, `, $4, $5, true`),
+		releaseSQL:     owner(n.Release, ``),
+		forgetSQL:      owner(n.Forget, ``),
+		heartbeatSQL:   owner(n.Heartbeat, `, $4`),
 		// The partial index on lease_until holds the records in flight only,
 		// so the scan's cost follows them, not every record kept. Records
 		// past retention still in it (until DeleteExpired) are filtered out.
@@ -146,22 +150,86 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 			FROM ` + t + ` WHERE state = 'in_progress' AND expires_at > now()`,
 		// The rows are locked before they are deleted, and rows that a claim
 		// holds are skipped: a claim making a new record in place of an
-		// expired one is never undone, nor waited for.
+		// expired one is never undone, nor waited for. A row is deleted
+		// twice promptClaim after it expired or, if it was forgotten, after
+		// it was forgotten.
 		deleteSQL: `DELETE FROM ` + t + ` t USING (
-				SELECT scope, key FROM ` + t + ` WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED
+				SELECT scope, key FROM ` + t + ` WHERE expires_at <= now() - ` + grace + `
+					AND created_at <= now() - ` + grace + ` LIMIT $1 FOR UPDATE SKIP LOCKED
 			) doomed WHERE t.scope = doomed.scope AND t.key = doomed.key`,
 		listening: make(chan struct{}),
 	}
 }
 
+// claimSQL is the claim statement on table: it reads the record, and
+// answers from it what the claim function would (a replay, a mismatch, a
+// lease left to wait out); any other claim, a new record included, it
+// leaves to the claim function, in the same statement.
+func claimSQL(table, claim string) string {
+	return `WITH cur AS (
+			SELECT state, fingerprint, operation_id, response, waiters,
+				CASE WHEN state = 'in_progress' AND lease_until > now()
+					THEN (extract(epoch FROM lease_until - now()) * 1000000)::bigint END AS lease_left_us
+			FROM ` + table + ` WHERE scope = $1 AND key = $2 AND expires_at > now()
+		), read AS (
+			SELECT CASE WHEN fingerprint <> $3 THEN 'mismatch' WHEN state = 'completed' THEN 'completed' ELSE 'in_flight' END AS o_state,
+				operation_id, response, lease_left_us
+			FROM cur WHERE fingerprint <> $3 OR state = 'completed' OR (lease_left_us IS NOT NULL AND (NOT $7 OR waiters))
+		)
+		SELECT o_state, CASE WHEN o_state = 'completed' THEN operation_id ELSE '' END, 0, 0::bigint,
+			CASE WHEN o_state = 'completed' THEN response END,
+			CASE WHEN o_state = 'in_flight' THEN lease_left_us ELSE 0 END, false
+		FROM read
+		UNION ALL
+		SELECT o_state, coalesce(o_operation_id, ''), coalesce(o_attempt, 0), coalesce(o_token, 0), o_response,
+			coalesce(o_lease_left_us, 0), coalesce(o_abandoned, false)
+		FROM ` + claim + `($1, $2, $3, $4, $5, $6, $7) WHERE NOT EXISTS (SELECT FROM read)`
+}
+
+// EndsByDeadline implements idempotency.DeadlineBound: it vouches for a pool
+// whose connections keep pgx's default handling of a context that ends, a
+// deadline set on the connection at once, so that every call returns by its
+// context's deadline however silent the server. A pool configured with
+// another handler (one that waits, or cancels on the server first) gets no
+// vouch, and a Guard settles records on a goroutine of its own.
+func (s *Store) EndsByDeadline(as idempotency.Store) bool {
+	return as == idempotency.Store(s) && s.endsByDeadline
+}
+
+// deadlineHandled reports whether pool's connections set a deadline on the
+// connection as soon as a call's context ends, as pgx does by default: it
+// builds the handler for a connection not yet made, and a builder that
+// cannot (it panics) is taken for one that does not.
+func deadlineHandled(pool *pgxpool.Pool) (ok bool) {
+	build := pool.Config().ConnConfig.BuildContextWatcherHandler
+	if build == nil {
+		return false
+	}
+	defer func() {
+		if recover() != nil {
+			ok = false
+		}
+	}()
+	h, isDeadline := build(&pgconn.PgConn{}).(*pgconn.DeadlineContextWatcherHandler)
+	return isDeadline && h.DeadlineDelay <= 0
+}
+
 // names are the quoted names of the objects Migrate creates for a table.
 type names struct {
 	Table, Claim, Wake             string // schema-qualified
+	Complete, Release, Forget      string // schema-qualified
+	Heartbeat                      string // schema-qualified
 	ExpiresIndex, LeaseIndex       string // in the table's schema
 	SettledTrigger, DeletedTrigger string // on the table
+	PromptClaim                    string // promptClaim as an SQL interval
 	// String literals, set by Migrate.
 	Channel        string
 	ClaimSignature string // Claim with its argument types, for to_regprocedure
+}
+
+// interval is d as an SQL interval literal.
+func interval(d time.Duration) string {
+	return fmt.Sprintf("interval '%d microseconds'", d.Microseconds())
 }
 
 func newNames(table string) names {
@@ -175,10 +243,15 @@ func newNames(table string) names {
 		Table:          qualified(""),
 		Claim:          qualified("_claim"),
 		Wake:           qualified("_wake"),
+		Complete:       qualified("_complete"),
+		Release:        qualified("_release"),
+		Forget:         qualified("_forget"),
+		Heartbeat:      qualified("_heartbeat"),
 		ExpiresIndex:   bare("_expires_at_idx"),
 		LeaseIndex:     bare("_lease_until_idx"),
 		SettledTrigger: bare("_settled"),
 		DeletedTrigger: bare("_deleted"),
+		PromptClaim:    interval(promptClaim),
 	}
 }
 
@@ -278,7 +351,7 @@ func (s *Store) migrateOnce(ctx context.Context, tmpl *template.Template, lockTi
 	return nil
 }
 
-// Claim implements idempotency.Store in one round trip.
+// Claim implements idempotency.Store in one statement.
 func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.Claim, error) {
 	var r claimRow
 	err := s.pool.QueryRow(ctx, s.claimSQL, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID,
@@ -470,19 +543,20 @@ func (s *Store) complete(ctx context.Context, q querier, sql string, k idempoten
 
 // querier runs a statement on a pool or in a transaction.
 type querier interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
-// ownerWrite runs a statement that changes the record only if token owns
-// it: ErrFenced when it changed nothing, ErrUnavailable when it failed.
+// ownerWrite runs an owner's write, which changes the record only if token
+// owns it: ErrFenced when it changed nothing, ErrUnavailable when it failed.
 func (s *Store) ownerWrite(ctx context.Context, q querier, op, sql string, k idempotency.Key, token uint64, args ...any) error {
 	// The sequence issues tokens from 1 up to MaxInt64: a token beyond it
 	// turns negative here, matches no row, and so is fenced off.
-	tag, err := q.Exec(ctx, sql, append([]any{oneRoundTrip, k.Scope, k.Name, int64(token)}, args...)...)
+	var changed bool
+	err := q.QueryRow(ctx, sql, append([]any{oneRoundTrip, k.Scope, k.Name, int64(token)}, args...)...).Scan(&changed)
 	if err != nil {
 		return storeerr.Unavailable("postgres "+op, err)
 	}
-	if tag.RowsAffected() == 0 {
+	if !changed {
 		return storeerr.Fenced("postgres " + op)
 	}
 	return nil

@@ -63,6 +63,8 @@ func TestStore(t *testing.T) {
 		{"CompleteTxWrongContext", testCompleteTxWrongContext},
 		{"CompleteTxTakeover", testCompleteTxTakeover},
 		{"DeleteExpired", testDeleteExpired},
+		{"ForgottenRecordGrace", testForgottenRecordGrace},
+		{"SlowClaimDrawsAgain", testSlowClaimDrawsAgain},
 		{"ListenerReconnect", testListenerReconnect},
 		{"MigrateConcurrently", testMigrateConcurrently},
 		{"MigrateUpgrade", testMigrateUpgrade},
@@ -482,7 +484,7 @@ func testDeleteExpired(t *testing.T, f *fixture) {
 	_, err := f.pool.Exec(ctx, `INSERT INTO `+o.Table+` (scope, key, fingerprint, state, attempt, operation_id, lease_until, expires_at)
 		SELECT 'bulk', 'k' || i, '\x00', 'released', 1, 'op', now(), now() - interval '1 hour' FROM generate_series(1, $1) i`, bulk)
 	require.NoError(t, err)
-	time.Sleep(300 * time.Millisecond) // the short retentions run out
+	time.Sleep(2300 * time.Millisecond) // the short retentions run out, and the grace after them
 
 	n, err := s.DeleteExpired(ctx)
 	require.NoError(t, err)
@@ -685,7 +687,7 @@ func testTakeoverWaitsOutRelease(t *testing.T, f *fixture) {
 	require.Eventually(t, func() bool {
 		var waiting bool
 		err := f.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0)`, o.Table+"_claim").Scan(&waiting)
+			WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0)`, o.Table).Scan(&waiting)
 		return err == nil && waiting
 	}, wakeTimeout, 10*time.Millisecond, "the claim never waited for the row")
 
