@@ -52,6 +52,7 @@ type memRecord struct {
 	token       uint64
 	leaseUntil  time.Time
 	expires     time.Time
+	created     time.Time
 	response    Response
 }
 
@@ -85,7 +86,7 @@ func (s *MemoryStore) Claim(_ context.Context, req ClaimRequest) (Claim, error) 
 		}
 		s.token++
 		r = &memRecord{state: memInFlight, fingerprint: req.Fingerprint, operationID: req.OperationID, attempt: 1,
-			token: s.token, leaseUntil: now.Add(req.Lease), expires: now.Add(req.Retention)}
+			token: s.token, leaseUntil: now.Add(req.Lease), expires: now.Add(req.Retention), created: now}
 		s.records[req.Key] = r
 		return Claim{State: Owner, OperationID: r.operationID, Attempt: 1, Token: r.token}, nil
 	}
@@ -207,6 +208,53 @@ func (s *MemoryStore) ListAbandoned(_ context.Context, limit int) ([]AbandonedRe
 		}
 	}
 	return oldestFirst(all, limit), nil
+}
+
+// Inspect implements Inspector.
+func (s *MemoryStore) Inspect(_ context.Context, k Key) (Record, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.opts.Now()
+	r := s.lookup(k, now)
+	if r == nil {
+		return Record{}, fmt.Errorf("%w of %v", ErrNoRecord, k)
+	}
+	return r.record(k, now), nil
+}
+
+// ListInFlight implements Inspector, by a scan of every record, as
+// ListAbandoned does.
+func (s *MemoryStore) ListInFlight(_ context.Context, after string, limit int) ([]Record, string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.opts.Now()
+	var recs []Record
+	for k, r := range s.records {
+		if r.state == memInFlight && r.expires.After(now) {
+			recs = append(recs, r.record(k, now))
+		}
+	}
+	return leasePage(recs, func(r Record) leaseCursor {
+		return leaseCursor{now.Add(r.LeaseLeft).UnixNano(), r.Key}
+	}, after, limit)
+}
+
+// record is r, the record of k, as an operator sees it at now.
+func (r *memRecord) record(k Key, now time.Time) Record {
+	rec := Record{Key: k, OperationID: r.operationID, Fingerprint: r.fingerprint, Attempt: r.attempt, Token: r.token,
+		ExpiresIn: r.expires.Sub(now), Age: now.Sub(r.created)}
+	switch {
+	case r.state == memCompleted:
+		rec.State = RecordCompleted
+		rec.SetResponse(r.response)
+	case r.state == memReleased:
+		rec.State = RecordReleased
+	case r.leaseUntil.After(now):
+		rec.State, rec.LeaseLeft = RecordInFlight, r.leaseUntil.Sub(now)
+	default:
+		rec.State, rec.LeaseLeft = RecordAbandoned, r.leaseUntil.Sub(now)
+	}
+	return rec
 }
 
 func (s *MemoryStore) lookup(k Key, now time.Time) *memRecord {

@@ -91,6 +91,10 @@ const (
 	// EventSweep: Guard.Sweep ended, with the records it Found, those the
 	// hook Settled, and those Left for later; Duration is the sweep's.
 	EventSweep
+	// EventOperator: an operator's action (Guard.Act) ended; Op names the
+	// store call it made last, Attempt the attempt it took the record over
+	// as, and Err why it failed, if it did.
+	EventOperator
 )
 
 // Outcome is how a call of Guard.Do or of the middleware ended.
@@ -162,7 +166,8 @@ func (o Outcome) String() string {
 	return fmt.Sprintf("Outcome(%d)", int(o))
 }
 
-var eventNames = [...]string{EventOutcome: "outcome", EventRenewal: "renewal", EventTakeover: "takeover", EventSweep: "sweep"}
+var eventNames = [...]string{EventOutcome: "outcome", EventRenewal: "renewal", EventTakeover: "takeover", EventSweep: "sweep",
+	EventOperator: "operator"}
 
 // String returns the kind's name.
 func (k EventKind) String() string {

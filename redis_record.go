@@ -1,9 +1,11 @@
 package idempotency
 
 import (
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/idempotency-go/idempotency/internal/wire"
 )
@@ -102,4 +104,46 @@ func completedClaim(rec string) (Claim, error) {
 	c.Response.Status, c.Response.Header = wire.ParseHead(kept[end-head:])
 	c.Response.Body = []byte(rec[end+n:])
 	return c, nil
+}
+
+// inspected reads the record of k, its value v with ttl ms to live, at now
+// ms by its server's clock, as Inspector shows it.
+func inspected(k Key, v string, ttl, now int64) (Record, error) {
+	r := Record{Key: k, ExpiresIn: time.Duration(ttl) * time.Millisecond}
+	head := recordOperationIDAt
+	if len(v) < head || v[recordOperationIDLenAt] == 0 || len(v) < head+int(v[recordOperationIDLenAt]) {
+		return Record{}, fmt.Errorf("unexpected record %q", v)
+	}
+	end := head + int(v[recordOperationIDLenAt])
+	r.Fingerprint, r.OperationID = Fingerprint([]byte(v[recordFingerprintAt:recordOperationIDLenAt])), v[head:end]
+	if v[0] == recordCompleted {
+		c, err := completedClaim(v)
+		if err != nil {
+			return Record{}, err
+		}
+		r.State = RecordCompleted
+		r.SetResponse(c.Response)
+		return r, nil
+	}
+	// "<deadline> <token> <attempt> <abandoned><waited> <claimer>"
+	f := strings.SplitN(v[end:], " ", 5)
+	if len(f) < 4 || (v[0] != recordInFlight && v[0] != recordReleased) {
+		return Record{}, fmt.Errorf("unexpected record %q", v)
+	}
+	deadline, err1 := strconv.ParseInt(f[0], 10, 64)
+	token, err2 := strconv.ParseUint(f[1], 10, 64)
+	attempt, err3 := strconv.Atoi(f[2])
+	if err := errors.Join(err1, err2, err3); err != nil {
+		return Record{}, fmt.Errorf("unexpected record %q: %w", v, err)
+	}
+	r.Token, r.Attempt = token, attempt
+	switch {
+	case v[0] == recordReleased:
+		r.State = RecordReleased
+	case deadline > now:
+		r.State, r.LeaseLeft = RecordInFlight, time.Duration(deadline-now)*time.Millisecond
+	default:
+		r.State, r.LeaseLeft = RecordAbandoned, time.Duration(deadline-now)*time.Millisecond
+	}
+	return r, nil
 }

@@ -32,12 +32,17 @@ var (
 	heartbeatLua string
 	//go:embed lua/abandoned.lua
 	abandonedLua string
+	//go:embed lua/inspect.lua
+	inspectLua string
+	//go:embed lua/inflight.lua
+	inflightLua string
 )
 
 // scripts are the store's Lua scripts, one per transition, each named for
 // its file in lua/.
 type scripts struct {
 	claim, complete, release, heartbeat, abandoned *script
+	inspect, inflight                              *script // an operator's reads
 }
 
 // script is one of the store's Lua scripts, the record's encoding
@@ -195,6 +200,8 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 			release:   newScript(releaseLua),
 			heartbeat: newScript(heartbeatLua),
 			abandoned: newScript(abandonedLua),
+			inspect:   newScript(inspectLua),
+			inflight:  newScript(inflightLua),
 		},
 		replicas:       o.Replicas,
 		replicaTimeout: o.ReplicaTimeout,
@@ -659,6 +666,83 @@ func (s *RedisStore) ListAbandoned(ctx context.Context, limit int) ([]AbandonedR
 		}
 	}
 	return oldestFirst(all, limit), nil
+}
+
+// Inspect implements Inspector, in one script on the record's slot.
+func (s *RedisStore) Inspect(ctx context.Context, k Key) (Record, error) {
+	rec, _ := s.recordKey(k)
+	v, err := s.scripts.inspect.run(ctx, s.c, append(s.scripts.inspect.args("1", 1), rec)).Slice()
+	if err != nil {
+		return Record{}, storeerr.Unavailable("inspect", err)
+	}
+	if len(v) != 3 || v[0] == nil {
+		return Record{}, fmt.Errorf("%w of %v", ErrNoRecord, k)
+	}
+	value, _ := v[0].(string)
+	ttl, _ := v[1].(int64)
+	now, _ := v[2].(int64)
+	r, err := inspected(k, value, ttl, now)
+	if err != nil {
+		return Record{}, storeerr.Unavailable("inspect", err)
+	}
+	return r, nil
+}
+
+// inflightTies is how many records of one bucket may share the millisecond
+// of a page's last lease end and still all be listed on the next page.
+const inflightTies = 100
+
+// ListInFlight implements Inspector: it reads the in-flight index of every
+// bucket, from the cursor's lease end on, in one pipeline, as ListAbandoned
+// does, and merges them.
+func (s *RedisStore) ListInFlight(ctx context.Context, after string, limit int) ([]Record, string, error) {
+	if limit <= 0 {
+		return nil, after, nil
+	}
+	from := "-inf"
+	if after != "" {
+		end, _, err := ParsePageCursor(after)
+		if err != nil {
+			return nil, "", err
+		}
+		from = strconv.FormatInt(end, 10)
+	}
+	if err := s.c.ScriptLoad(ctx, s.scripts.inflight.src).Err(); err != nil {
+		return nil, "", storeerr.Unavailable("inflight", err)
+	}
+	cmds, err := s.c.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for b := range s.buckets {
+			// From the cursor's own lease end on, where the records that
+			// share it sit before the cursor's: room for inflightTies.
+			_ = p.Process(ctx, redis.NewCmd(ctx, append(s.scripts.inflight.args("1", 3), s.buckets[b].leases, from, limit+inflightTies)...))
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, "", storeerr.Unavailable("inflight", err)
+	}
+	var recs []Record
+	ends := map[Key]int64{} // each record's lease end, by its own server's clock
+	for b, cmd := range cmds {
+		v, _ := cmd.(*redis.Cmd).Slice()
+		tag := s.bucketTag(uint32(b))
+		now, _ := v[0].(int64)
+		for i := 1; i+2 < len(v); i += 3 {
+			name, _ := v[i].(string)
+			value, _ := v[i+1].(string)
+			ttl, _ := v[i+2].(int64)
+			k, ok := parseRecordName(strings.TrimPrefix(name, tag))
+			if !ok || !strings.HasPrefix(name, tag) {
+				return nil, "", storeerr.Unavailable("inflight", fmt.Errorf("unexpected entry %q in %sleases", name, tag))
+			}
+			r, err := inspected(k, value, ttl, now)
+			if err != nil {
+				return nil, "", storeerr.Unavailable("inflight", err)
+			}
+			recs, ends[k] = append(recs, r), now+r.LeaseLeft.Milliseconds()
+		}
+	}
+	return leasePage(recs, func(r Record) leaseCursor { return leaseCursor{ends[r.Key], r.Key} }, after, limit)
 }
 
 // fenced maps a script's FENCED reply to ErrFenced and any other failure to

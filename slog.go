@@ -64,6 +64,12 @@ func levelOf(e Event) slog.Level {
 			return slog.LevelError
 		}
 		return slog.LevelInfo
+	case EventOperator:
+		// A record changed by hand, on a production store.
+		if e.Err != nil {
+			return slog.LevelError
+		}
+		return slog.LevelWarn
 	}
 	switch e.Outcome {
 	case OutcomeExecuted, OutcomeReplayed, OutcomeWaitedReplayed, OutcomeWaitedOwner, OutcomeReleased, OutcomeForgotten:

@@ -45,7 +45,8 @@ type Harness struct {
 func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 	// The cases run in this order. Each one's doc comment states the clause
 	// of the contract it checks; the files claim.go, settle.go, lease.go,
-	// retention.go, wakeup.go, guard.go and abandoned.go group them by topic.
+	// retention.go, wakeup.go, guard.go, abandoned.go and inspect.go group them by
+	// topic.
 	cases := []struct {
 		name string
 		run  func(*env)
@@ -70,6 +71,8 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"GiveUpLease", giveUpLease},
 		{"AbandonedListing", abandonedListing},
 		{"SilentStoreStopsOwner", silentStoreStopsOwner},
+		{"Inspection", inspection},
+		{"OperatorActions", operatorActions},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

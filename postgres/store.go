@@ -29,6 +29,7 @@ import (
 	"github.com/idempotency-go/idempotency/internal/wire"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -95,8 +96,8 @@ type Store struct {
 	// The table's statements, with its quoted name filled in.
 	// endsByDeadline: pgx ends every call of the pool by its context's
 	// deadline (see EndsByDeadline).
-	endsByDeadline                                                                                               bool
-	claimSQL, completeSQL, completeTxSQL, releaseSQL, forgetSQL, heartbeatSQL, abandonedSQL, statsSQL, deleteSQL string
+	endsByDeadline                                                                                                                        bool
+	claimSQL, completeSQL, completeTxSQL, releaseSQL, forgetSQL, heartbeatSQL, abandonedSQL, statsSQL, deleteSQL, inspectSQL, inflightSQL string
 
 	mu   sync.Mutex
 	subs wakeup.Registry[string] // by wakeID
@@ -113,6 +114,7 @@ type Store struct {
 var (
 	_ idempotency.Store         = (*Store)(nil)
 	_ idempotency.DeadlineBound = (*Store)(nil)
+	_ idempotency.Inspector     = (*Store)(nil)
 )
 
 // New returns a Store that keeps its records in pool's database. Call
@@ -157,9 +159,22 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 				SELECT scope, key FROM ` + t + ` WHERE expires_at <= now() - ` + grace + `
 					AND created_at <= now() - ` + grace + ` LIMIT $1 FOR UPDATE SKIP LOCKED
 			) doomed WHERE t.scope = doomed.scope AND t.key = doomed.key`,
+		inspectSQL: `SELECT ` + inspected + ` FROM ` + t + ` WHERE scope = $1 AND key = $2 AND expires_at > now()`,
+		// On the partial index of the records in flight, from a cursor on.
+		inflightSQL: `SELECT ` + inspected + ` FROM ` + t + `
+			WHERE state = 'in_progress' AND expires_at > now() AND (lease_until, scope, key) > ($1, $2, $3)
+			ORDER BY lease_until, scope, key LIMIT $4`,
 		listening: make(chan struct{}),
 	}
 }
+
+// inspected is what Inspect and ListInFlight read of a row, the times as
+// microseconds from the database's now().
+const inspected = `scope, key, state, operation_id, fingerprint, attempt, token, response,
+	(extract(epoch FROM lease_until - now()) * 1000000)::bigint,
+	(extract(epoch FROM expires_at - now()) * 1000000)::bigint,
+	(extract(epoch FROM now() - created_at) * 1000000)::bigint,
+	(extract(epoch FROM lease_until) * 1000000)::bigint`
 
 // claimSQL is the claim statement on table: it reads the record, and
 // answers from it what the claim function would (a replay, a mismatch, a
@@ -560,6 +575,102 @@ func (s *Store) ownerWrite(ctx context.Context, q querier, op, sql string, k ide
 		return storeerr.Fenced("postgres " + op)
 	}
 	return nil
+}
+
+// Inspect implements idempotency.Inspector.
+func (s *Store) Inspect(ctx context.Context, k idempotency.Key) (idempotency.Record, error) {
+	rows, err := s.pool.Query(ctx, s.inspectSQL, k.Scope, k.Name)
+	if err != nil {
+		return idempotency.Record{}, storeerr.Unavailable("postgres inspect", err)
+	}
+	recs, _, err := collectInspected(rows)
+	switch {
+	case err != nil:
+		return idempotency.Record{}, storeerr.Unavailable("postgres inspect", err)
+	case len(recs) == 0:
+		return idempotency.Record{}, fmt.Errorf("%w of %v", idempotency.ErrNoRecord, k)
+	}
+	return recs[0], nil
+}
+
+// ListInFlight implements idempotency.Inspector, on the partial index of
+// the records in flight. Its cursor is the last record's lease end, in
+// microseconds, and key.
+func (s *Store) ListInFlight(ctx context.Context, after string, limit int) ([]idempotency.Record, string, error) {
+	if limit <= 0 {
+		return nil, after, nil
+	}
+	from, key := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}, idempotency.Key{}
+	if after != "" {
+		endUS, k, err := idempotency.ParsePageCursor(after)
+		if err != nil {
+			return nil, "", err
+		}
+		from, key = pgtype.Timestamptz{Time: time.UnixMicro(endUS), Valid: true}, k
+	}
+	rows, err := s.pool.Query(ctx, s.inflightSQL, from, key.Scope, key.Name, limit)
+	if err != nil {
+		return nil, "", storeerr.Unavailable("postgres inflight", err)
+	}
+	recs, ends, err := collectInspected(rows)
+	if err != nil {
+		return nil, "", storeerr.Unavailable("postgres inflight", err)
+	}
+	if len(recs) < limit {
+		return recs, "", nil
+	}
+	last := len(recs) - 1
+	return recs, idempotency.PageCursor(ends[last], recs[last].Key), nil
+}
+
+// collectInspected reads the rows of inspected, and each one's lease end in
+// microseconds.
+func collectInspected(rows pgx.Rows) ([]idempotency.Record, []int64, error) {
+	defer rows.Close()
+	var (
+		recs []idempotency.Record
+		ends []int64
+	)
+	for rows.Next() {
+		var (
+			r                        idempotency.Record
+			state                    string
+			fp, response             []byte
+			token                    int64
+			leftUS, expiresUS, ageUS int64
+			endUS                    int64
+		)
+		err := rows.Scan(&r.Key.Scope, &r.Key.Name, &state, &r.OperationID, &fp, &r.Attempt, &token, &response,
+			&leftUS, &expiresUS, &ageUS, &endUS)
+		if err != nil {
+			return nil, nil, err
+		}
+		if len(fp) != len(r.Fingerprint) {
+			return nil, nil, fmt.Errorf("record %q has a fingerprint of %d bytes", r.Key, len(fp))
+		}
+		r.Fingerprint, r.Token = idempotency.Fingerprint(fp), uint64(token)
+		r.ExpiresIn, r.Age = time.Duration(expiresUS)*time.Microsecond, time.Duration(ageUS)*time.Microsecond
+		switch {
+		case state == "completed":
+			n, err := wire.HeadLen(response)
+			if err != nil {
+				return nil, nil, fmt.Errorf("record %q: %w", r.Key, err)
+			}
+			var resp idempotency.Response
+			resp.Status, resp.Header = wire.ParseHead(string(response[:n]))
+			resp.Body = response[n:]
+			r.State = idempotency.RecordCompleted
+			r.SetResponse(resp)
+		case state == "released":
+			r.State = idempotency.RecordReleased
+		case leftUS > 0:
+			r.State, r.LeaseLeft = idempotency.RecordInFlight, time.Duration(leftUS)*time.Microsecond
+		default:
+			r.State, r.LeaseLeft = idempotency.RecordAbandoned, time.Duration(leftUS)*time.Microsecond
+		}
+		recs, ends = append(recs, r), append(ends, endUS)
+	}
+	return recs, ends, rows.Err()
 }
 
 // Subscribe implements idempotency.Store. The Store listens on one

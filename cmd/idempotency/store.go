@@ -1,0 +1,119 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"strings"
+
+	"github.com/idempotency-go/idempotency"
+	"github.com/idempotency-go/idempotency/postgres"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+)
+
+// storeConfig says which store to open: exactly one of Redis (standalone,
+// Sentinel or Cluster) and PostgreSQL.
+type storeConfig struct {
+	redisURL, cluster, sentinel, prefix string
+	postgresDSN, table                  string
+}
+
+func (c *storeConfig) flags(fs *flag.FlagSet) {
+	fs.StringVar(&c.redisURL, "redis", "", "a standalone Redis, `URL` redis://[user:password@]host:port[/db] (rediss:// for TLS)")
+	fs.StringVar(&c.cluster, "redis-cluster", "", "a Redis Cluster, by its nodes' `ADDRS`, host:port,...")
+	fs.StringVar(&c.sentinel, "sentinel", "", "a Redis behind Sentinel, `MASTER@ADDRS`: the master's name and the sentinels' host:port,...")
+	fs.StringVar(&c.prefix, "redis-prefix", "", "the service's RedisOptions.Prefix (default idem:)")
+	fs.StringVar(&c.postgresDSN, "postgres", "", "a PostgreSQL `DSN`")
+	fs.StringVar(&c.table, "table", "", "the service's postgres.Options.Table (default idempotency_records)")
+}
+
+// opened is a store, as the library uses it and as an operator inspects it.
+type opened struct {
+	store     idempotency.Store
+	inspector idempotency.Inspector
+	stats     func(context.Context) (idempotency.Stats, error)
+}
+
+// open opens the store the flags name, and checks that it is one of this
+// library's.
+func (c *storeConfig) open(ctx context.Context) (opened, func(), error) {
+	var given []string
+	for flag, v := range map[string]string{"-redis": c.redisURL, "-redis-cluster": c.cluster, "-sentinel": c.sentinel, "-postgres": c.postgresDSN} {
+		if v != "" {
+			given = append(given, flag)
+		}
+	}
+	if len(given) != 1 {
+		return opened{}, nil, usageError{fmt.Sprintf("name exactly one store (-redis, -redis-cluster, -sentinel or -postgres), got %d", len(given))}
+	}
+	if c.postgresDSN != "" {
+		return c.openPostgres(ctx)
+	}
+	client, err := c.redisClient()
+	if err != nil {
+		return opened{}, nil, usageError{err.Error()}
+	}
+	if err := client.Ping(ctx).Err(); err != nil {
+		client.Close()
+		return opened{}, nil, fmt.Errorf("redis: %w", err)
+	}
+	s, err := idempotency.NewRedisStore(client, idempotency.RedisOptions{Prefix: c.prefix})
+	if err != nil {
+		client.Close()
+		return opened{}, nil, err
+	}
+	return opened{s, s, s.Stats}, func() { s.Close(); client.Close() }, nil
+}
+
+func (c *storeConfig) redisClient() (redis.UniversalClient, error) {
+	switch {
+	case c.redisURL != "":
+		o, err := redis.ParseURL(c.redisURL)
+		if err != nil {
+			return nil, fmt.Errorf("-redis: %w", err)
+		}
+		o.ContextTimeoutEnabled = true
+		return redis.NewClient(o), nil
+	case c.cluster != "":
+		return redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(c.cluster, ","), ContextTimeoutEnabled: true}), nil
+	}
+	master, addrs, ok := strings.Cut(c.sentinel, "@")
+	if !ok || master == "" || addrs == "" {
+		return nil, fmt.Errorf("-sentinel: want MASTER@host:port,..., got %q", c.sentinel)
+	}
+	return redis.NewFailoverClient(&redis.FailoverOptions{MasterName: master, SentinelAddrs: strings.Split(addrs, ","),
+		ContextTimeoutEnabled: true}), nil
+}
+
+func (c *storeConfig) openPostgres(ctx context.Context) (opened, func(), error) {
+	pool, err := pgxpool.New(ctx, c.postgresDSN)
+	if err != nil {
+		return opened{}, nil, usageError{fmt.Sprintf("-postgres: %v", err)}
+	}
+	s := postgres.New(pool, postgres.Options{Table: c.table})
+	closeAll := func() { s.Close(); pool.Close() }
+	// A table that is not there is a wrong -table, or a database the
+	// library never migrated: say so rather than fail every read.
+	table := c.table
+	if table == "" {
+		table = "idempotency_records"
+	}
+	var exists bool
+	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regprocedure($2) IS NOT NULL`,
+		table, table+"_claim(text, text, bytea, text, bigint, bigint, boolean)").Scan(&exists); err != nil {
+		closeAll()
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) {
+			return opened{}, nil, fmt.Errorf("postgres: %s", pgErr.Message)
+		}
+		return opened{}, nil, fmt.Errorf("postgres: %w", err)
+	}
+	if !exists {
+		closeAll()
+		return opened{}, nil, fmt.Errorf("postgres: no idempotency table %q with its claim function here: is -table the service's, and has it run Migrate?", table)
+	}
+	return opened{s, s, s.Stats}, closeAll, nil
+}
