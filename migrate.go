@@ -43,8 +43,9 @@ type ownerRef struct {
 //
 // A claim that is fresh in new costs a claim in old as well; one new can
 // answer costs nothing more. A waiter is woken by a settlement in either
-// store. ListAbandoned lists new's records only: sweep old with a Guard of its
-// own.
+// store. ListAbandoned and ListInFlight list new's records only: sweep and
+// list old with a Guard and a store of its own. Inspect shows new's record,
+// or else old's.
 func NewMigratingStore(old, new Store, o MigrationOptions) Store {
 	return &migratingStore{old: old, new: new, opts: o, dual: make(map[ownerRef]uint64)}
 }
@@ -184,6 +185,39 @@ func (m *migratingStore) Heartbeat(ctx context.Context, k Key, token uint64, lea
 
 func (m *migratingStore) ListAbandoned(ctx context.Context, limit int) ([]AbandonedRecord, error) {
 	return m.new.ListAbandoned(ctx, limit)
+}
+
+// Inspect implements Inspector: the new store's record of k or, when it
+// has none, the old store's, which the next claim moves over.
+func (m *migratingStore) Inspect(ctx context.Context, k Key) (Record, error) {
+	newIn, oldIn, err := m.inspectors()
+	if err != nil {
+		return Record{}, err
+	}
+	r, err := newIn.Inspect(ctx, k)
+	if errors.Is(err, ErrNoRecord) {
+		return oldIn.Inspect(ctx, k)
+	}
+	return r, err
+}
+
+// ListInFlight implements Inspector for the new store's records only, as
+// ListAbandoned does: inspect the old store with a store of its own.
+func (m *migratingStore) ListInFlight(ctx context.Context, after string, limit int) ([]Record, string, error) {
+	newIn, _, err := m.inspectors()
+	if err != nil {
+		return nil, "", err
+	}
+	return newIn.ListInFlight(ctx, after, limit)
+}
+
+func (m *migratingStore) inspectors() (newIn, oldIn Inspector, err error) {
+	newIn, ok1 := m.new.(Inspector)
+	oldIn, ok2 := m.old.(Inspector)
+	if !ok1 || !ok2 {
+		return nil, nil, errors.New("idempotency: a store of the migration is no Inspector")
+	}
+	return newIn, oldIn, nil
 }
 
 func (m *migratingStore) Subscribe(ctx context.Context, k Key) (Subscription, error) {
