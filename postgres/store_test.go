@@ -500,6 +500,17 @@ func testDeleteExpired(t *testing.T, f *fixture) {
 	assert.Zero(t, n)
 }
 
+// waitForLock returns once a statement on table waits for a lock.
+func (f *fixture) waitForLock(t *testing.T, table, msg string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		err := f.pool.QueryRow(t.Context(), `SELECT EXISTS (SELECT FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0)`, table).Scan(&waiting)
+		return err == nil && waiting
+	}, wakeTimeout, 10*time.Millisecond, msg)
+}
+
 // listeners returns the backends that listen on channel.
 func listeners(t *testing.T, f *fixture, channel string) []int32 {
 	t.Helper()
@@ -684,12 +695,7 @@ func testTakeoverWaitsOutRelease(t *testing.T, f *fixture) {
 		c, err := s.Claim(ctx, retry)
 		claimed <- result{c, err}
 	}()
-	require.Eventually(t, func() bool {
-		var waiting bool
-		err := f.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0)`, o.Table).Scan(&waiting)
-		return err == nil && waiting
-	}, wakeTimeout, 10*time.Millisecond, "the claim never waited for the row")
+	f.waitForLock(t, o.Table, "the claim never waited for the row")
 
 	// Store.Release's statement, in the transaction that holds the row.
 	tag, err := tx.Exec(ctx, "UPDATE "+o.Table+" SET state = 'released'"+where+" AND token = $3",

@@ -37,12 +37,7 @@ func testSlowClaimDrawsAgain(t *testing.T, f *fixture) {
 		assert.NoError(t, err)
 		claimed <- c
 	}()
-	require.Eventually(t, func() bool {
-		var waiting bool
-		err := f.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0)`, o.Table).Scan(&waiting)
-		return err == nil && waiting
-	}, wakeTimeout, 10*time.Millisecond, "the claim never waited for the insert")
+	f.waitForLock(t, o.Table, "the claim never waited for the insert")
 
 	// A claim of another key, while the first waits, draws a later token.
 	meanwhile := claim(t, s, request("other", longLease))
