@@ -683,7 +683,7 @@ func (s *RedisStore) Inspect(ctx context.Context, k Key) (Record, error) {
 	now, _ := v[2].(int64)
 	r, err := inspected(k, value, ttl, now)
 	if err != nil {
-		return Record{}, storeerr.Unavailable("inspect", err)
+		return Record{}, fmt.Errorf("idempotency: the record of %v is not one this version writes: %w", k, err)
 	}
 	return r, nil
 }
@@ -737,7 +737,7 @@ func (s *RedisStore) ListInFlight(ctx context.Context, after string, limit int) 
 			}
 			r, err := inspected(k, value, ttl, now)
 			if err != nil {
-				return nil, "", storeerr.Unavailable("inflight", err)
+				return nil, "", fmt.Errorf("idempotency: the record of %v is not one this version writes: %w", k, err)
 			}
 			recs, ends[k] = append(recs, r), now+r.LeaseLeft.Milliseconds()
 		}

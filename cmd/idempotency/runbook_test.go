@@ -147,6 +147,27 @@ func TestRunbook(t *testing.T) {
 	}
 }
 
+// A record in a layout this version does not write is named as such.
+func TestCommandForeignRecord(t *testing.T) {
+	r := testserver.StartRedis(t)
+	s, err := idempotency.NewRedisStore(r.Client(), idempotency.RedisOptions{})
+	require.NoError(t, err)
+	t.Cleanup(func() { s.Close() })
+	k := idempotency.Key{Scope: "acct_1", Name: "old"}
+	c, err := s.Claim(t.Context(), idempotency.ClaimRequest{Key: k, Fingerprint: idempotency.FingerprintOf("x", nil),
+		OperationID: "op_old", Lease: time.Minute, Retention: time.Hour})
+	require.NoError(t, err)
+	require.Equal(t, idempotency.Owner, c.State)
+	keys, err := r.Client().Keys(t.Context(), "idem:*:old").Result()
+	require.NoError(t, err)
+	require.Len(t, keys, 1)
+	require.NoError(t, r.Client().Set(t.Context(), keys[0], "v1:something else", time.Hour).Err())
+
+	code, _, errOut := command(t, "", "-redis", "redis://"+r.Addr, "inspect", "acct_1", "old")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, errOut, "not one this version writes")
+}
+
 // A live owner's record is acted on only with -force, which fences that
 // owner off; a key in the wrong form, a missing record and a store that is
 // not the library's get clear errors.
