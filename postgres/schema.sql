@@ -140,7 +140,7 @@ BEGIN
                 -- read again instead.
                 UPDATE {{.Table}} t SET waiters = true
                 WHERE t.scope = p_scope AND t.key = p_key AND t.token = r.token
-                    AND t.state = 'in_progress' AND t.lease_until > now()
+                    AND t.state || '' = 'in_progress' AND t.lease_until > now()
                 RETURNING t.lease_until INTO r.lease_until;
                 IF NOT FOUND THEN
                     CONTINUE;
@@ -175,7 +175,12 @@ $$;
 
 -- The owner's writes, one function per transition (see idempotency.Store):
 -- each changes the record only while p_token owns it, in flight and not
--- expired, and returns whether it did. The Store calls them in one round
+-- expired, and returns whether it did. A write that finds its row by key
+-- tests the state as state || '' = 'in_progress', an expression the
+-- partial index of records in flight cannot serve: with millions of
+-- completed records its statistics can make that index look nearly empty,
+-- and a plan that walked it would visit every record in flight on each
+-- write, not the one row the primary key finds. The Store calls them in one round
 -- trip on any connection, unprepared, where the statements inside keep
 -- their plans for the session.
 
@@ -188,7 +193,7 @@ LANGUAGE plpgsql AS $$
 BEGIN
     UPDATE {{.Table}} t SET state = 'completed', response = p_response,
         expires_at = now() + p_retention_us * interval '1 microsecond'
-    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state = 'in_progress'
+    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state || '' = 'in_progress'
         AND t.expires_at > now() AND (NOT p_in_tx OR t.lease_until > clock_timestamp());
     RETURN FOUND;
 END
@@ -198,7 +203,7 @@ CREATE OR REPLACE FUNCTION {{.Release}}(p_scope text, p_key text, p_token bigint
 LANGUAGE plpgsql AS $$
 BEGIN
     UPDATE {{.Table}} t SET state = 'released'
-    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state = 'in_progress'
+    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state || '' = 'in_progress'
         AND t.expires_at > now();
     RETURN FOUND;
 END
@@ -212,7 +217,7 @@ CREATE OR REPLACE FUNCTION {{.Forget}}(p_scope text, p_key text, p_token bigint)
 LANGUAGE plpgsql AS $$
 BEGIN
     UPDATE {{.Table}} t SET state = 'released', expires_at = '-infinity', created_at = now()
-    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state = 'in_progress'
+    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state || '' = 'in_progress'
         AND t.expires_at > now();
     RETURN FOUND;
 END
@@ -229,7 +234,7 @@ DECLARE
 BEGIN
     UPDATE {{.Table}} t SET lease_until = renewed,
         expires_at = greatest(t.expires_at + greatest(renewed - t.lease_until, interval '0'), renewed)
-    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state = 'in_progress'
+    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state || '' = 'in_progress'
         AND t.expires_at > now();
     RETURN FOUND;
 END
