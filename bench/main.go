@@ -5,6 +5,7 @@
 //	go run ./bench                      # throwaway redis-server (and PostgreSQL)
 //	go run ./bench -redis 10.0.0.5:6379 -postgres postgres://...
 //	go run ./bench -cluster 10.0.0.5:7000,10.0.0.6:7000 -json
+//	go run ./bench -scale 1000000,10000000  # costs with 0, 1M and 10M records held
 //
 // Without -redis or -cluster it starts a redis-server on a free loopback
 // port, or, when none is installed, an embedded miniredis whose figures say
@@ -67,6 +68,7 @@ type config struct {
 	rows        *regexp.Regexp
 	cpuprofile  string
 	replicas    int
+	scale       []int // record counts of the scale mode (scale.go), 0 first; nil: the rows
 }
 
 func main() {
@@ -82,6 +84,8 @@ func main() {
 	flag.StringVar(&rows, "rows", "", "run only the rows whose name matches this `regexp`")
 	flag.StringVar(&cfg.cpuprofile, "cpuprofile", "", "write a CPU profile of the rows to `file`")
 	flag.IntVar(&cfg.replicas, "replicas", 0, "RedisOptions.Replicas for the library's Redis rows: the `N` replicas of -redis or -cluster that confirm its writes")
+	flag.Func("scale", "instead of the rows, measure each store holding each of these record `COUNTS,...` (and 0), e.g. 1M,10M; -rows then picks the stores (redis, postgres)",
+		func(s string) (err error) { cfg.scale, err = parseScale(s); return err })
 	flag.Parse()
 	var err error
 	if cfg.rows, err = regexp.Compile(rows); err != nil {
@@ -94,6 +98,10 @@ func main() {
 	}
 	if cfg.replicas < 0 || cfg.replicas > 0 && cfg.redisAddr == "" && cfg.cluster == "" {
 		fmt.Fprintln(os.Stderr, "bench: -replicas needs -redis or -cluster, with that many replicas per master")
+		os.Exit(2)
+	}
+	if cfg.scale != nil && (cfg.json || cfg.cluster != "") {
+		fmt.Fprintln(os.Stderr, "bench: -scale prints tables (no -json), and measures a standalone Redis (no -cluster)")
 		os.Exit(2)
 	}
 	// SIGPIPE too (go run ./bench | head): caught, it turns the next write
@@ -325,6 +333,8 @@ type report struct {
 	cmdsSkip string
 	memory   []recordMemory
 	memSkip  string
+	pgBytes  []recordMemory // PostgreSQL's table, indexes included, per record
+	pgSkip   string
 	gzip     []compression
 	gzipBody int
 }
@@ -345,6 +355,9 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error) 
 		return err
 	}
 	defer func() { err = errors.Join(err, e.close()) }()
+	if cfg.scale != nil {
+		return e.runScale(ctx, cfg, stdout, stderr)
+	}
 
 	rep := report{runs: cfg.runs}
 	// Before the rows: finding the record scans the whole keyspace.
@@ -361,6 +374,19 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error) 
 			}
 			rep.memory = append(rep.memory, m)
 		}
+	}
+	if e.pgNaive == nil {
+		rep.pgSkip = e.pgSkip
+	}
+	for _, size := range []int{200, 10 << 10} {
+		if e.pgNaive == nil {
+			break
+		}
+		n, err := pgRecordBytes(ctx, e.pgNaive.pool, size, 5000, e.concurrency)
+		if err != nil {
+			return fmt.Errorf("PostgreSQL bytes of a %d-byte record: %w", size, err)
+		}
+		rep.pgBytes = append(rep.pgBytes, recordMemory{Body: size, Name: 36, Usage: n})
 	}
 	body := jsonBody(10 << 10)
 	rep.gzipBody = len(body)
@@ -715,6 +741,15 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 	for _, m := range rep.memory {
 		fmt.Fprintf(w, "  %6d-byte body, %2d-byte key name: %6d bytes, overhead %d bytes\n", m.Body, m.Name, m.Usage, m.Overhead())
 	}
+
+	fmt.Fprintln(w, "\nPostgreSQL disk per completed record (pg_total_relation_size over 5000 records after VACUUM, indexes included; 36-byte key names):")
+	if rep.pgSkip != "" {
+		fmt.Fprintf(w, "  not measured: %s\n", rep.pgSkip)
+	}
+	for _, m := range rep.pgBytes {
+		fmt.Fprintf(w, "  %6d-byte body: %6d bytes (a body over about 2 KB is compressed by TOAST)\n", m.Body, m.Usage)
+	}
+	writeCapacity(w, rep)
 
 	fmt.Fprintf(w, "\nCompressing a %d-byte JSON response body with gzip (one core, writer and reader reused):\n", rep.gzipBody)
 	for _, c := range rep.gzip {

@@ -197,3 +197,37 @@ func gzipCost(body []byte) ([]compression, error) {
 	}
 	return out, nil
 }
+
+// writeCapacity prints what a store holds under the default 24 h retention,
+// at a few rates of new operations, from the bytes per record measured for
+// 200-byte and 10 KiB bodies under 36-byte key names.
+func writeCapacity(w io.Writer, rep *report) {
+	perRecord := func(ms []recordMemory, body int) int64 {
+		for _, m := range ms {
+			if m.Body == body && (m.Name == 36 || body != 200) {
+				return m.Usage
+			}
+		}
+		return 0
+	}
+	const retention = 24 * 60 * 60 // seconds
+	fmt.Fprintln(w, "\nCapacity under a 24 h retention (records held = new operations/s × 86,400; Redis used_memory, PostgreSQL disk):")
+	for _, body := range []int{200, 10 << 10} {
+		redisBytes, pgBytes := perRecord(rep.memory, body), perRecord(rep.pgBytes, body)
+		if redisBytes == 0 && pgBytes == 0 {
+			continue
+		}
+		for _, rate := range []int{10, 100, 1000} {
+			records := int64(rate) * retention
+			fmt.Fprintf(w, "  %5d-byte bodies, %4d/s: %11d records  Redis %s  PostgreSQL %s\n", body, rate, records,
+				gib(records*redisBytes), gib(records*pgBytes))
+		}
+	}
+}
+
+func gib(bytes int64) string {
+	if bytes == 0 {
+		return "   n/a   "
+	}
+	return fmt.Sprintf("%6.1f GiB", float64(bytes)/(1<<30))
+}

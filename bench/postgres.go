@@ -2,10 +2,17 @@ package main
 
 import (
 	"context"
+	crand "crypto/rand"
 	"errors"
+	"fmt"
+	"net/http"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idempotency-go/idempotency"
+	"github.com/idempotency-go/idempotency/postgres"
 )
 
 // The PostgreSQL floors are the seeds' naive table, as a team replacing it
@@ -84,4 +91,46 @@ func (e *env) pgOneSelectRow(ctx context.Context, prefix string) (timedOp, error
 		return e.pgNaive.newOperation(ctx, names[n])
 	})
 	return timed(func(ctx context.Context, w, i int) error { return e.pgNaive.replay(ctx, names[pick(w, i)]) }), err
+}
+
+// pgRecordBytes completes records records whose responses have a JSON body
+// of size bytes and a Content-Type header, under 36-byte key names, in a
+// table of their own, and returns the table's size with its indexes and
+// TOAST (pg_total_relation_size) per record, after a VACUUM, which it then
+// drops. The table's fillfactor leaves a fifth of each page free, as the
+// store's does.
+func pgRecordBytes(ctx context.Context, pool *pgxpool.Pool, size, records, concurrency int) (int64, error) {
+	var p [4]byte
+	_, _ = crand.Read(p[:])
+	table := fmt.Sprintf("bench_size_%x", p)
+	s := postgres.New(pool, postgres.Options{Table: table, Channel: table})
+	defer s.Close()
+	if err := s.Migrate(ctx); err != nil {
+		return 0, err
+	}
+	defer func() {
+		_, _ = pool.Exec(context.WithoutCancel(ctx), "DROP TABLE "+table+" CASCADE")
+		for _, f := range []string{"_claim", "_complete", "_release", "_forget", "_heartbeat", "_wake"} {
+			_, _ = pool.Exec(context.WithoutCancel(ctx), "DROP FUNCTION IF EXISTS "+table+f+" CASCADE")
+		}
+	}()
+	resp := idempotency.Response{Status: http.StatusCreated, Header: http.Header{"Content-Type": {"application/json"}}, Body: jsonBody(size)}
+	err := each(ctx, records, concurrency, func(ctx context.Context, n int) error {
+		k := idempotency.Key{Name: fmt.Sprintf("%036d", n)}
+		c, err := s.Claim(ctx, idempotency.ClaimRequest{Key: k, Fingerprint: fp, OperationID: fmt.Sprintf("op_%026d", n),
+			Lease: time.Minute, Retention: retention})
+		if err == nil {
+			err = s.Complete(ctx, k, c.Token, resp, retention)
+		}
+		return err
+	})
+	if err != nil {
+		return 0, err
+	}
+	if _, err := pool.Exec(ctx, "VACUUM "+table); err != nil {
+		return 0, err
+	}
+	var bytes int64
+	err = pool.QueryRow(ctx, "SELECT pg_total_relation_size($1)", table).Scan(&bytes)
+	return bytes / int64(records), err
 }
