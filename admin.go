@@ -204,9 +204,9 @@ func (g *Guard) Act(ctx context.Context, seen Record, a OperatorAction) (err err
 	case c.State != Owner:
 		return fmt.Errorf("%w: the record changed since it was inspected (now %v)", ErrFenced, c.State)
 	case c.Attempt != seen.Attempt+1:
-		// Another claim got there in between: give the record back as the
-		// abandoned one it was, for its next claim.
-		_ = g.store.Abandon(context.WithoutCancel(ctx), seen.Key, c.Token)
+		// The record changed in between: give it back as this claim found
+		// it, for its next claim.
+		_ = giveBack(context.WithoutCancel(ctx), g.store, seen.Key, c)
 		return fmt.Errorf("%w: the record changed since it was inspected (attempt %d, not %d)", ErrFenced, c.Attempt-1, seen.Attempt)
 	}
 	op = settleOp(a.Disposition)

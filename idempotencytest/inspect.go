@@ -107,6 +107,7 @@ func operatorActions(e *env) {
 	settle, _ := e.ownShortLease("settle", fp)
 	release, _ := e.ownShortLease("release", fp)
 	stale, _ := e.ownShortLease("stale", fp)
+	relapsed, _ := e.ownShortLease("relapsed", fp)
 	live := request(e.key("live"), fp)
 	liveOwner := e.own(live, 1, live.OperationID, "a claim that holds its lease")
 	e.wait(e.past)
@@ -136,6 +137,14 @@ func operatorActions(e *env) {
 	err = g.Act(e.ctx, seen, idempotency.OperatorAction{Disposition: idempotency.Release})
 	require.ErrorIs(e.t, err, idempotency.ErrFenced, "an action on a record that changed since it was inspected")
 	e.complete(stale.Key, retry.Token, decided, "the retry, after the operator's refused action")
+
+	// Released since it was inspected: refused, and still released.
+	seen = e.inspect(in, relapsed.Key)
+	retry = e.own(request(relapsed.Key, fp), 2, relapsed.OperationID, "a retry that takes the record over after it was inspected")
+	e.release(relapsed.Key, retry.Token, "that retry")
+	err = g.Act(e.ctx, seen, idempotency.OperatorAction{Disposition: idempotency.Forget})
+	require.ErrorIs(e.t, err, idempotency.ErrFenced, "an action on a record released since it was inspected")
+	assert.Equal(e.t, idempotency.RecordReleased, e.inspect(in, relapsed.Key).State, "the record after the refused action")
 
 	err = g.Act(e.ctx, idempotency.Record{Key: settle.Key, State: idempotency.RecordCompleted}, idempotency.OperatorAction{Disposition: idempotency.Release})
 	assert.Error(e.t, err, "an action on a completed record")

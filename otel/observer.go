@@ -114,6 +114,7 @@ type Observer struct {
 	tracer trace.Tracer
 
 	outcomes, renewals, takeovers, sweepRecords, sweeps metric.Int64Counter
+	operatorActions                                     metric.Int64Counter
 	callDuration, waitDuration, renewalDuration         metric.Float64Histogram
 	operations, waiters                                 metric.Int64ObservableUpDownCounter
 	storeRecords                                        metric.Int64ObservableGauge
@@ -158,6 +159,8 @@ func NewObserver(opts Options) (*Observer, error) {
 	o.sweepRecords = m.counter("idempotency.sweep.records", "{record}",
 		"Abandoned records that sweeps found, settled through Recover, and left for later.")
 	o.sweeps = m.counter("idempotency.sweeps", "{sweep}", "Sweeps of abandoned records that ended.")
+	o.operatorActions = m.counter("idempotency.operator.actions", "{action}",
+		"Operators' actions on records (Guard.Act) that ended, by the store call made last, and the error type of those that failed.")
 	o.operations = m.upDown("idempotency.operation.count", "{operation}",
 		"Operations that the tracked Guards run as the owner in this process now, Recover hooks and sweeps included.")
 	o.waiters = m.upDown("idempotency.waiter.count", "{call}",
@@ -316,7 +319,8 @@ func (o *Observer) observeInFlight(_ context.Context, obs metric.Observer) error
 // recovery_unknown and failed_open; the others (a client's mismatch, a
 // retry still in flight, an application's error that released the record)
 // leave its status unset. A renewal, takeover or sweep is counted, and
-// added as an event to the span in ctx when it is recording. Every
+// added as an event to the span in ctx when it is recording; an operator's
+// action is counted in idempotency.operator.actions. Every
 // measurement is made with the call's context (for an outcome, that of its
 // new span), so a metric SDK that samples exemplars links them to the
 // trace. Events of another kind are ignored.
@@ -330,6 +334,12 @@ func (o *Observer) Observe(ctx context.Context, e idempotency.Event) {
 		o.takeover(ctx, e)
 	case idempotency.EventSweep:
 		o.sweep(ctx, e)
+	case idempotency.EventOperator:
+		attrs := []attribute.KeyValue{keyStoreOperation.String(e.Op)}
+		if e.Err != nil {
+			attrs = append(attrs, semconv.ErrorTypeKey.String(storeErrorType(e.Err)))
+		}
+		o.operatorActions.Add(ctx, 1, metric.WithAttributes(attrs...))
 	}
 }
 

@@ -831,3 +831,23 @@ func TestObserverTracksStore(t *testing.T) {
 	_, ok = p.collect(t)["idempotency.store.records"]
 	assert.False(t, ok, "reported after untrack")
 }
+
+// An operator's action is counted by the store call it made last, and one
+// that failed by its error type too.
+func TestObserverCountsOperatorActions(t *testing.T) {
+	ctx := t.Context()
+	p := newPipeline(t)
+	s := idempotency.NewMemoryStore(idempotency.MemoryOptions{})
+	g := idempotency.New(s, idempotency.Options{Observer: p})
+	k := idempotency.Key{Scope: "acct_1", Name: "stuck"}
+	claimDead(t, ctx, s, k)
+	seen, err := s.Inspect(ctx, k)
+	require.NoError(t, err)
+	require.NoError(t, g.Act(ctx, seen, idempotency.OperatorAction{Disposition: idempotency.Release}))
+	// The record changed since it was inspected: refused.
+	require.ErrorIs(t, g.Act(ctx, seen, idempotency.OperatorAction{Disposition: idempotency.Release}), idempotency.ErrFenced)
+
+	assertCounter(t, p.collect(t)["idempotency.operator.actions"], "{action}",
+		point{attrs: []attribute.KeyValue{storeOp("release")}, value: 1},
+		point{attrs: []attribute.KeyValue{storeOp("claim"), errType("fenced")}, value: 1})
+}
