@@ -88,9 +88,11 @@ func renewalOutlivesRetention(e *env) {
 func renewedRecordIsAbandonedAfterItsLease(e *env) {
 	fp := fingerprint("a")
 	req := request(e.key("renewed-then-dead"), fp)
-	req.Lease, req.Retention = e.lease, 2*e.lease
-	c := e.own(req, 1, req.OperationID, "first claim, with a retention of two leases")
-	for range 3 {
+	// A retention of three leases keeps the record two leases past its
+	// lease's end, so that a slow listing still finds it unexpired.
+	req.Lease, req.Retention = e.lease, 3*e.lease
+	c := e.own(req, 1, req.OperationID, "first claim, with a retention of three leases")
+	for range 4 {
 		e.wait(e.lease / 2)
 		require.NoError(e.t, e.store.Heartbeat(e.ctx, req.Key, c.Token, e.lease), "renewal every half lease")
 	}
