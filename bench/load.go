@@ -137,21 +137,23 @@ type usage struct {
 // meter reads the usage so far.
 type meter func() usage
 
-// load runs op on concurrency goroutines: for warm (scripts loaded, pools
-// filled, nothing recorded), then for dur, recording every operation that
-// ends in that window; use is read at the window's two ends. progress is
-// called now and then with the time spent and the operations done so far.
-func load(ctx context.Context, concurrency int, warm, dur time.Duration, op timedOp, use meter, progress func(time.Duration, uint64)) result {
-	var measuring, stop atomic.Bool
-	workers := make([]*worker, concurrency)
-	var wg sync.WaitGroup
-	for w := range workers {
+// crew is concurrency goroutines running op until stopped, recording every
+// operation that ends while measuring is set.
+type crew struct {
+	measuring, stop atomic.Bool
+	workers         []*worker
+	wg              sync.WaitGroup
+}
+
+func startCrew(ctx context.Context, concurrency int, op timedOp) *crew {
+	c := &crew{workers: make([]*worker, concurrency)}
+	for w := range c.workers {
 		wk := &worker{}
-		workers[w] = wk
-		wg.Go(func() {
-			for i := 0; !stop.Load(); i++ {
+		c.workers[w] = wk
+		c.wg.Go(func() {
+			for i := 0; !c.stop.Load(); i++ {
 				d, err := op(ctx, w, i)
-				if !measuring.Load() {
+				if !c.measuring.Load() {
 					continue
 				}
 				if err != nil {
@@ -165,12 +167,48 @@ func load(ctx context.Context, concurrency int, warm, dur time.Duration, op time
 			}
 		})
 	}
+	return c
+}
+
+// ops is how many operations were recorded so far.
+func (c *crew) ops() uint64 {
+	var n uint64
+	for _, wk := range c.workers {
+		n += wk.ops.Load()
+	}
+	return n
+}
+
+// finish stops the crew, waits for it, and sums what it recorded in a
+// window of elapsed.
+func (c *crew) finish(elapsed time.Duration) result {
+	c.measuring.Store(false)
+	c.stop.Store(true)
+	c.wg.Wait()
+	r := result{Elapsed: elapsed}
+	for _, wk := range c.workers {
+		r.Latency.add(&wk.lat)
+		r.Ops += wk.ops.Load()
+		r.Errors += wk.errs
+		if r.FirstErr == nil {
+			r.FirstErr = wk.first
+		}
+	}
+	return r
+}
+
+// load runs op on concurrency goroutines: for warm (scripts loaded, pools
+// filled, nothing recorded), then for dur, recording every operation that
+// ends in that window; use is read at the window's two ends. progress is
+// called now and then with the time spent and the operations done so far.
+func load(ctx context.Context, concurrency int, warm, dur time.Duration, op timedOp, use meter, progress func(time.Duration, uint64)) result {
+	c := startCrew(ctx, concurrency, op)
 	sleep(ctx, warm)
 
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)
 	u0 := use()
-	measuring.Store(true)
+	c.measuring.Store(true)
 	start := time.Now()
 	tick := time.NewTicker(250 * time.Millisecond)
 	for end := start.Add(dur); ctx.Err() == nil; {
@@ -180,32 +218,18 @@ func load(ctx context.Context, concurrency int, warm, dur time.Duration, op time
 		}
 		select {
 		case <-tick.C:
-			var n uint64
-			for _, wk := range workers {
-				n += wk.ops.Load()
-			}
-			progress(time.Since(start), n)
+			progress(time.Since(start), c.ops())
 		case <-time.After(left):
 		case <-ctx.Done():
 		}
 	}
 	tick.Stop()
-	measuring.Store(false)
+	c.measuring.Store(false)
 	elapsed := time.Since(start)
 	u1 := use()
 	runtime.ReadMemStats(&after)
-	stop.Store(true)
-	wg.Wait()
+	r := c.finish(elapsed)
 
-	r := result{Elapsed: elapsed}
-	for _, wk := range workers {
-		r.Latency.add(&wk.lat)
-		r.Ops += wk.ops.Load()
-		r.Errors += wk.errs
-		if r.FirstErr == nil {
-			r.FirstErr = wk.first
-		}
-	}
 	r.ServerCPU, r.Others, r.Steal = math.NaN(), math.NaN(), math.NaN()
 	if u0.others >= 0 && u1.others >= 0 {
 		r.Others = max(0, u1.others-u0.others).Seconds() / elapsed.Seconds()

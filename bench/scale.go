@@ -24,7 +24,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"text/tabwriter"
 	"time"
@@ -977,46 +976,11 @@ func (e *env) expire(ctx context.Context, p *pgScale, from, to, n int, log io.Wr
 // then while job runs, recording every operation that ends meanwhile. It
 // returns what it recorded, how long job took, and job's error.
 func loadBeside(ctx context.Context, concurrency int, warm time.Duration, op timedOp, job func(context.Context) error) (result, time.Duration, error) {
-	var measuring, stop atomic.Bool
-	workers := make([]*worker, concurrency)
-	var wg sync.WaitGroup
-	for w := range workers {
-		wk := &worker{}
-		workers[w] = wk
-		wg.Go(func() {
-			for i := 0; !stop.Load(); i++ {
-				d, err := op(ctx, w, i)
-				if !measuring.Load() {
-					continue
-				}
-				if err != nil {
-					if wk.errs++; wk.first == nil {
-						wk.first = err
-					}
-					continue
-				}
-				wk.lat.record(d)
-				wk.ops.Add(1)
-			}
-		})
-	}
+	c := startCrew(ctx, concurrency, op)
 	sleep(ctx, warm)
-	measuring.Store(true)
+	c.measuring.Store(true)
 	start := time.Now()
 	err := job(ctx)
 	took := time.Since(start)
-	measuring.Store(false)
-	stop.Store(true)
-	wg.Wait()
-
-	r := result{Elapsed: took}
-	for _, wk := range workers {
-		r.Latency.add(&wk.lat)
-		r.Ops += wk.ops.Load()
-		r.Errors += wk.errs
-		if r.FirstErr == nil {
-			r.FirstErr = wk.first
-		}
-	}
-	return r, took, err
+	return c.finish(took), took, err
 }
