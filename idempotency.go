@@ -283,6 +283,8 @@ type Guard struct {
 	// context's deadline (DeadlineBound), so applyWithin calls it on the
 	// caller's goroutine.
 	callsEndByDeadline bool
+	// points is the store as a RecoveryPointStore, or nil when it is none.
+	points RecoveryPointStore
 }
 
 // InFlight returns how many operations this Guard is running as the owner
@@ -301,6 +303,7 @@ func New(store Store, opts Options) *Guard {
 	if d, ok := store.(DeadlineBound); ok {
 		g.callsEndByDeadline = d.EndsByDeadline(store)
 	}
+	g.points, _ = store.(RecoveryPointStore)
 	return g
 }
 

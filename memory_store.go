@@ -54,6 +54,7 @@ type memRecord struct {
 	expires     time.Time
 	created     time.Time
 	response    Response
+	points      []RecoveryPoint // in flight or released: the steps recorded
 }
 
 // NewMemoryStore returns an empty MemoryStore.
@@ -117,7 +118,7 @@ func (s *MemoryStore) Complete(_ context.Context, k Key, token uint64, resp Resp
 	resp.Header = resp.Header.Clone()
 	resp.Body = bytes.Clone(resp.Body)
 	return s.owned(k, token, func(r *memRecord, now time.Time) {
-		r.state, r.response, r.expires = memCompleted, resp, now.Add(retention)
+		r.state, r.response, r.expires, r.points = memCompleted, resp, now.Add(retention), nil
 		s.subs.Wake(k)
 	})
 }
@@ -167,6 +168,30 @@ func (s *MemoryStore) renew(k Key, token uint64, lease time.Duration) error {
 		}
 		r.leaseUntil = renewed
 	})
+}
+
+// SaveRecoveryPoint implements RecoveryPointStore.
+func (s *MemoryStore) SaveRecoveryPoint(_ context.Context, k Key, token uint64, p RecoveryPoint) error {
+	p.Result = bytes.Clone(p.Result)
+	return s.owned(k, token, func(r *memRecord, _ time.Time) {
+		for _, q := range r.points {
+			if q.Step == p.Step {
+				return
+			}
+		}
+		r.points = append(r.points, p)
+	})
+}
+
+// RecoveryPoints implements RecoveryPointStore.
+func (s *MemoryStore) RecoveryPoints(_ context.Context, k Key, token uint64) ([]RecoveryPoint, error) {
+	var ps []RecoveryPoint
+	err := s.owned(k, token, func(r *memRecord, _ time.Time) {
+		for _, p := range r.points {
+			ps = append(ps, RecoveryPoint{Step: p.Step, Result: bytes.Clone(p.Result)})
+		}
+	})
+	return ps, err
 }
 
 // Subscribe implements Store. It is confirmed at once: every transition

@@ -102,6 +102,9 @@ func (m *migratingStore) adopt(ctx, undo context.Context, req ClaimRequest, c, o
 	}
 	c.Attempt = max(c.Attempt, o.Attempt)
 	c.Abandoned = c.Abandoned || o.Abandoned
+	if err := m.movePoints(ctx, req.Key, c.Token, o.Token); err != nil {
+		return Claim{}, errors.Join(err, giveBack(undo, m.new, req.Key, c), m.old.Release(undo, req.Key, o.Token))
+	}
 	if m.opts.DualWrite {
 		m.remember(req.Key, c.Token, o.Token)
 		return c, nil
@@ -110,6 +113,50 @@ func (m *migratingStore) adopt(ctx, undo context.Context, req ClaimRequest, c, o
 	// owner carries on whether the old attempt was abandoned.
 	o.Abandoned = false
 	return c, giveBack(undo, m.old, req.Key, o)
+}
+
+// movePoints copies the recovery points the old store keeps for its owner
+// old into the new store, for its owner token.
+func (m *migratingStore) movePoints(ctx context.Context, k Key, token, old uint64) error {
+	oldPts, ok1 := m.old.(RecoveryPointStore)
+	newPts, ok2 := m.new.(RecoveryPointStore)
+	if !ok1 || !ok2 {
+		return nil
+	}
+	ps, err := oldPts.RecoveryPoints(ctx, k, old)
+	for _, p := range ps {
+		if err == nil {
+			err = newPts.SaveRecoveryPoint(ctx, k, token, p)
+		}
+	}
+	return err
+}
+
+// SaveRecoveryPoint implements RecoveryPointStore: in the old store first,
+// as Complete, when the owner holds the record there too.
+func (m *migratingStore) SaveRecoveryPoint(ctx context.Context, k Key, token uint64, p RecoveryPoint) error {
+	newPts, ok := m.new.(RecoveryPointStore)
+	if !ok {
+		return ErrNoRecoveryPoints
+	}
+	if old, ok := m.oldToken(k, token, false); ok {
+		if oldPts, ok := m.old.(RecoveryPointStore); ok {
+			if err := oldPts.SaveRecoveryPoint(ctx, k, old, p); err != nil {
+				return err
+			}
+		}
+	}
+	return newPts.SaveRecoveryPoint(ctx, k, token, p)
+}
+
+// RecoveryPoints implements RecoveryPointStore: the new store's, which
+// holds the old store's too once the claim moved the record over.
+func (m *migratingStore) RecoveryPoints(ctx context.Context, k Key, token uint64) ([]RecoveryPoint, error) {
+	newPts, ok := m.new.(RecoveryPointStore)
+	if !ok {
+		return nil, ErrNoRecoveryPoints
+	}
+	return newPts.RecoveryPoints(ctx, k, token)
 }
 
 func (m *migratingStore) remember(k Key, token, old uint64) {

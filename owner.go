@@ -48,6 +48,10 @@ type owner struct {
 	lost     error         // why the lease ended before the owner settled; matches ErrFenced
 	failed   error         // the last renewal's failure, named when the lease then runs out
 
+	// pts are the operation's recovery points (step.go), guarded by their
+	// own lock, which is held across store calls.
+	pts points
+
 	// cs is what the call learns as the owner, for its Observer: the
 	// disposition applied, a failed store call, and what Recover decided.
 	// Written on the goroutine that runs the operation only.
@@ -301,28 +305,73 @@ func (o *owner) awaitRenewal(full bool) {
 }
 
 // applyWithin is apply, returning by ctx's deadline whether or not the
-// store has answered. A store of this package whose calls end by their
-// context's deadline (see New) is called on the caller's goroutine; any
-// other on a goroutine of its own, which the caller stops
-// waiting for at the deadline. The first spares each operation a goroutine
-// and the hand-over of its result, which an idle machine pays in wake-ups.
+// store has answered (see within).
 func (g *Guard) applyWithin(ctx context.Context, k Key, token uint64, resp Response, d Disposition) error {
-	var err error
-	if g.callsEndByDeadline {
-		err = apply(ctx, g.store, k, token, resp, d, g.opts.Retention)
-	} else {
-		done := make(chan error, 1)
-		go func() { done <- apply(ctx, g.store, k, token, resp, d, g.opts.Retention) }()
-		select {
-		case err = <-done:
-		case <-ctx.Done():
-			err = ctx.Err()
-		}
-	}
+	err := g.within(ctx, func(ctx context.Context) error {
+		return apply(ctx, g.store, k, token, resp, d, g.opts.Retention)
+	})
 	if err != nil && ctx.Err() != nil && !errors.Is(err, ErrFenced) {
 		return fmt.Errorf("%w: the store did not confirm the outcome before the lease ran out: %w", ErrUnavailable, err)
 	}
 	return err
+}
+
+// within makes the store call call, returning by ctx's deadline whether or
+// not the store has answered. A store of this package whose calls end by
+// their context's deadline (see New) is called on the caller's goroutine;
+// any other on a goroutine of its own, which the caller stops waiting for
+// at the deadline. The first spares each operation a goroutine and the
+// hand-over of its result, which an idle machine pays in wake-ups.
+func (g *Guard) within(ctx context.Context, call func(ctx context.Context) error) error {
+	if g.callsEndByDeadline {
+		return call(ctx)
+	}
+	done := make(chan error, 1)
+	go func() { done <- call(ctx) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// write makes a store call for the owner while it holds the lease, with
+// the lease's local end as its deadline. A call the store fences loses the
+// lease: the operation's context is done.
+func (o *owner) write(ctx context.Context, call func(ctx context.Context) error) error {
+	o.mu.Lock()
+	err, deadline := o.usableLocked(), o.deadline
+	o.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	if err = o.g.within(ctx, call); errors.Is(err, ErrFenced) {
+		o.mu.Lock()
+		o.loseLocked(err)
+		o.mu.Unlock()
+	}
+	return err
+}
+
+// usable fails when the owner may write no more: its lease was lost, or
+// its record settled.
+func (o *owner) usable() error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.usableLocked()
+}
+
+func (o *owner) usableLocked() error {
+	switch {
+	case o.lost != nil:
+		return o.lost
+	case o.ended:
+		return fmt.Errorf("%w: the operation's record was settled", ErrFenced)
+	}
+	return nil
 }
 
 // apply is the store call that gives d effect on s for the owner of token;

@@ -77,6 +77,23 @@ type Store interface {
 	Subscribe(ctx context.Context, k Key) (Subscription, error)
 }
 
+// RecoveryPointStore is implemented by a Store that keeps the recovery
+// points of Step with the record, through every transition but two: a
+// completion and a forgetting drop them, and a record made anew (the first
+// claim of a key, or one after the record expired) has none. Every store in
+// this module and the postgres package is one.
+type RecoveryPointStore interface {
+	// SaveRecoveryPoint adds p to the record's recovery points, after those
+	// saved before, if token is the current owner's (ErrFenced otherwise);
+	// it is durable once the call returns. A point of a step saved before
+	// adds nothing, so a resend whose reply was lost is harmless.
+	SaveRecoveryPoint(ctx context.Context, k Key, token uint64, p RecoveryPoint) error
+	// RecoveryPoints returns the record's recovery points in the order they
+	// were saved, one per step, if token is the current owner's (ErrFenced
+	// otherwise).
+	RecoveryPoints(ctx context.Context, k Key, token uint64) ([]RecoveryPoint, error)
+}
+
 // DeadlineBound is implemented by a Store whose every call returns by its
 // context's deadline, however silent its connection. A Guard made with such
 // a store settles records on the caller's goroutine, which spares each
