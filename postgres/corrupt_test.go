@@ -77,5 +77,14 @@ func testCorruptRows(t *testing.T, f *fixture) {
 	require.True(t, errors.As(err, &pe), "a row of state done went in: %v", err)
 	assert.Equal(t, "23514", pe.Code, "check_violation")
 
+	// Recovery points that do not parse are refused to their owner.
+	k := key("corrupt-points")
+	owner := claim(t, s, request(k.Name, longLease))
+	_, err = f.pool.Exec(ctx, `UPDATE `+o.Table+` SET points = '\xff' WHERE scope = $1 AND key = $2`, k.Scope, k.Name)
+	require.NoError(t, err)
+	_, err = s.RecoveryPoints(ctx, k, owner.Token)
+	require.ErrorIs(t, err, idempotency.ErrUnavailable)
+	require.NotErrorIs(t, err, idempotency.ErrFenced)
+
 	report.Add(t, report.Entry{Suite: "fuzz", Store: "postgres", Faults: map[string]int{"corrupt-row": rows}, Operations: claims})
 }

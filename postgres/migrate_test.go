@@ -2,14 +2,18 @@ package postgres_test
 
 import (
 	"context"
+	_ "embed"
 	"fmt"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 	"github.com/idempotency-go/idempotency/postgres"
 )
@@ -119,4 +123,82 @@ func migratedStore(t *testing.T, cfg *pgxpool.Config) (*postgres.Store, *pgxpool
 	t.Cleanup(s.Close)
 	require.NoError(t, s.Migrate(t.Context()))
 	return s, pool
+}
+
+//go:embed testdata/schema-v2.sql
+var schemaV2 string
+
+// Migrate adds the column of recovery points to a table made before records
+// kept them, and its rows keep working: a completed record replays, a
+// released one is taken over, and an owner in flight since before the
+// migration records steps and completes. Adding the column takes an ACCESS
+// EXCLUSIVE lock, which waits for every transaction on the table, even one
+// that only reads it; once the column is there, Migrate takes no such lock
+// and runs beside such a reader.
+func testMigrateRecoveryPoints(t *testing.T, f *fixture) {
+	ctx := t.Context()
+	o := f.options()
+	o.Table += ` "o'brien"` // quotes of both kinds, in identifiers and in literals
+	old := postgres.New(f.pool, o)
+	t.Cleanup(old.Close)
+	require.NoError(t, old.MigrateWith(ctx, schemaV2))
+	done := claim(t, old, request("done", longLease))
+	require.NoError(t, old.Complete(ctx, key("done"), done.Token, okResponse, longRetention))
+	released := claim(t, old, request("released", longLease))
+	require.NoError(t, old.Release(ctx, key("released"), released.Token))
+	running := claim(t, old, request("running", longLease))
+
+	reader := readTable(t, f, o.Table)
+	mctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	require.ErrorIs(t, old.Migrate(mctx), idempotency.ErrUnavailable, "adding the column beside a reader")
+	cancel()
+	require.NoError(t, reader.Rollback(ctx))
+	migrateConcurrently(t, f, o, 4)
+	reader = readTable(t, f, o.Table)
+	mctx, cancel = context.WithTimeout(ctx, 2*time.Second)
+	require.NoError(t, old.Migrate(mctx), "Migrate of the up-to-date table beside a reader")
+	cancel()
+	require.NoError(t, reader.Rollback(ctx))
+
+	s := postgres.New(f.pool, o)
+	t.Cleanup(s.Close)
+	replay := claim(t, s, request("done", longLease))
+	require.Equal(t, idempotency.Completed, replay.State)
+	assert.Equal(t, okResponse, replay.Response)
+
+	point := idempotency.RecoveryPoint{Step: "charge", Result: []byte(`"ch_1"`)}
+	again := claim(t, s, request("released", longLease))
+	require.Equal(t, idempotency.Owner, again.State)
+	assert.Equal(t, 2, again.Attempt)
+	requirePoints(t, s, key("released"), again.Token)
+	require.NoError(t, s.SaveRecoveryPoint(ctx, key("released"), again.Token, point))
+	requirePoints(t, s, key("released"), again.Token, point)
+
+	require.NoError(t, s.SaveRecoveryPoint(ctx, key("running"), running.Token, point))
+	requirePoints(t, s, key("running"), running.Token, point)
+	require.NoError(t, s.Complete(ctx, key("running"), running.Token, okResponse, longRetention))
+	_, err := s.RecoveryPoints(ctx, key("running"), running.Token)
+	require.ErrorIs(t, err, idempotency.ErrFenced, "the points of a completed record")
+	assert.Equal(t, idempotency.Completed, claim(t, s, request("running", longLease)).State)
+}
+
+// readTable opens a transaction that has read table, and so holds an
+// ACCESS SHARE lock on it until it ends.
+func readTable(t *testing.T, f *fixture, table string) pgx.Tx {
+	t.Helper()
+	tx, err := f.pool.Begin(t.Context())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	_, err = tx.Exec(t.Context(), "SELECT FROM "+pgx.Identifier{table}.Sanitize()+" LIMIT 1")
+	require.NoError(t, err)
+	return tx
+}
+
+// requirePoints requires the recovery points that token reads of k's
+// record to be want.
+func requirePoints(t *testing.T, s *postgres.Store, k idempotency.Key, token uint64, want ...idempotency.RecoveryPoint) {
+	t.Helper()
+	got, err := s.RecoveryPoints(t.Context(), k, token)
+	require.NoError(t, err)
+	require.Equal(t, want, got)
 }

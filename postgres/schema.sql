@@ -21,6 +21,10 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
     -- The outcome in the stored-response form of internal/wire, the same
     -- bytes every store keeps; set exactly when the record is completed.
     response     bytea       CHECK ((state = 'completed') = (response IS NOT NULL)),
+    -- The recovery points of the attempts in flight, their entries in the
+    -- form of internal/wire one after the other, in the order saved; NULL
+    -- for none. A completion, a forgetting and a record made anew clear it.
+    points       bytea,
     -- A waiter registered on this record: only then does settling it notify.
     waiters      boolean     NOT NULL DEFAULT false,
     -- When the record was made or, once forgotten, when it was forgotten.
@@ -34,6 +38,19 @@ CREATE INDEX IF NOT EXISTS {{.ExpiresIndex}} ON {{.Table}} (expires_at);
 
 -- For Abandoned: it reads the records in flight only, oldest lease first.
 CREATE INDEX IF NOT EXISTS {{.LeaseIndex}} ON {{.Table}} (lease_until) WHERE state = 'in_progress';
+
+-- A table made before records kept recovery points gains the column. ADD
+-- COLUMN takes an ACCESS EXCLUSIVE lock on the table even when the column
+-- exists, which would queue every store call, reads included, behind the
+-- transactions open on the table: it runs only when the column is missing.
+DO $migrate$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = {{.TableName}}::regclass
+                   AND attname = 'points' AND NOT attisdropped) THEN
+        ALTER TABLE {{.Table}} ADD COLUMN IF NOT EXISTS points bytea;
+    END IF;
+END
+$migrate$;
 
 -- CREATE OR REPLACE cannot change a function's OUT parameters, and claim
 -- gained o_abandoned: a claim function from before is dropped, inside this
@@ -108,11 +125,12 @@ BEGIN
         END IF;
 
         IF r.expires_at <= now() THEN
-            -- An expired record counts as absent: make a new one in its place.
+            -- An expired record counts as absent: make a new one in its place,
+            -- with nothing of the old one's.
             UPDATE {{.Table}} t SET fingerprint = p_fingerprint, state = 'in_progress', token = DEFAULT,
                 attempt = 1, operation_id = p_operation_id,
                 lease_until = clock_timestamp() + p_lease_us * interval '1 microsecond',
-                response = NULL, waiters = false, created_at = now(),
+                response = NULL, points = NULL, waiters = false, created_at = now(),
                 expires_at = clock_timestamp() + p_retention_us * interval '1 microsecond'
             WHERE t.scope = p_scope AND t.key = p_key AND t.expires_at <= now()
             RETURNING t.token INTO o_token;
@@ -152,7 +170,8 @@ BEGIN
         END IF;
 
         -- Released, or in flight under an expired lease: take over. waiters
-        -- is kept: whoever waited for the last attempt waits for this one.
+        -- is kept: whoever waited for the last attempt waits for this one;
+        -- so are points: the new owner resumes after the steps recorded.
         -- The state read must still hold: an owner whose lease ran out keeps
         -- its token until taken over, and may release in between, and the
         -- new owner must not be told it took over an abandoned record then.
@@ -184,14 +203,14 @@ $$;
 -- trip on any connection, unprepared, where the statements inside keep
 -- their plans for the session.
 
--- Complete stores the outcome. In the caller's transaction (p_in_tx), now()
--- is when the transaction began: the lease is judged by the clock at the
--- statement itself.
+-- Complete stores the outcome, and drops the recovery points. In the
+-- caller's transaction (p_in_tx), now() is when the transaction began: the
+-- lease is judged by the clock at the statement itself.
 CREATE OR REPLACE FUNCTION {{.Complete}}(p_scope text, p_key text, p_token bigint,
     p_response bytea, p_retention_us bigint, p_in_tx boolean) RETURNS boolean
 LANGUAGE plpgsql AS $$
 BEGIN
-    UPDATE {{.Table}} t SET state = 'completed', response = p_response,
+    UPDATE {{.Table}} t SET state = 'completed', response = p_response, points = NULL,
         expires_at = now() + p_retention_us * interval '1 microsecond'
     WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state || '' = 'in_progress'
         AND t.expires_at > now() AND (NOT p_in_tx OR t.lease_until > clock_timestamp());
@@ -212,11 +231,11 @@ $$;
 -- Forget expires the record rather than delete it: it counts as absent at
 -- once, and DeleteExpired deletes it after its grace (see the claim
 -- function), counted from created_at, which for a forgotten record says
--- when it was forgotten.
+-- when it was forgotten. Its recovery points go at once.
 CREATE OR REPLACE FUNCTION {{.Forget}}(p_scope text, p_key text, p_token bigint) RETURNS boolean
 LANGUAGE plpgsql AS $$
 BEGIN
-    UPDATE {{.Table}} t SET state = 'released', expires_at = '-infinity', created_at = now()
+    UPDATE {{.Table}} t SET state = 'released', expires_at = '-infinity', created_at = now(), points = NULL
     WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state || '' = 'in_progress'
         AND t.expires_at > now();
     RETURN FOUND;
@@ -236,6 +255,22 @@ BEGIN
         expires_at = greatest(t.expires_at + greatest(renewed - t.lease_until, interval '0'), renewed)
     WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state || '' = 'in_progress'
         AND t.expires_at > now();
+    RETURN FOUND;
+END
+$$;
+
+-- Point appends the entry of one recovery point (internal/wire) to the
+-- record's. An entry of a step saved before is appended too, and the
+-- reader skips it: the first entry of a step is the one that counts. In
+-- the caller's transaction (p_in_tx), the lease is judged as Complete
+-- judges it.
+CREATE OR REPLACE FUNCTION {{.Point}}(p_scope text, p_key text, p_token bigint,
+    p_entry bytea, p_in_tx boolean) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE {{.Table}} t SET points = coalesce(t.points, '') || p_entry
+    WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state || '' = 'in_progress'
+        AND t.expires_at > now() AND (NOT p_in_tx OR t.lease_until > clock_timestamp());
     RETURN FOUND;
 END
 $$;

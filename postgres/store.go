@@ -1,8 +1,10 @@
 // Package postgres is an idempotency.Store on PostgreSQL 15 or later,
 // through pgx. It has the contract of every store (see idempotency.Store),
-// and one thing more: CompleteTx completes a record inside the caller's
-// transaction, so that the business write and the completion commit
-// together or not at all.
+// keeps the recovery points of idempotency.Step (it is an
+// idempotency.RecoveryPointStore), and does two things more inside the
+// caller's transaction, so that a business write and the store's write
+// commit together or not at all: CompleteTx completes a record, and StepTx
+// records a step.
 //
 // Leases and retention are judged by the database's clock (now()), never by
 // the application servers'. Run Migrate once at start-up, and DeleteExpired
@@ -93,11 +95,13 @@ const listenPing = 3 * time.Second
 type Store struct {
 	pool *pgxpool.Pool
 	opts Options
-	// The table's statements, with its quoted name filled in.
 	// endsByDeadline: pgx ends every call of the pool by its context's
 	// deadline (see EndsByDeadline).
-	endsByDeadline                                                                                                                        bool
-	claimSQL, completeSQL, completeTxSQL, releaseSQL, forgetSQL, heartbeatSQL, abandonedSQL, statsSQL, deleteSQL, inspectSQL, inflightSQL string
+	endsByDeadline bool
+	// The table's statements, with its quoted name filled in.
+	claimSQL, completeSQL, completeTxSQL, releaseSQL, forgetSQL, heartbeatSQL string
+	pointSQL, pointTxSQL, pointsSQL                                           string
+	abandonedSQL, statsSQL, deleteSQL, inspectSQL, inflightSQL                string
 
 	mu   sync.Mutex
 	subs wakeup.Registry[string] // by wakeID
@@ -112,9 +116,10 @@ type Store struct {
 }
 
 var (
-	_ idempotency.Store         = (*Store)(nil)
-	_ idempotency.DeadlineBound = (*Store)(nil)
-	_ idempotency.Inspector     = (*Store)(nil)
+	_ idempotency.Store              = (*Store)(nil)
+	_ idempotency.RecoveryPointStore = (*Store)(nil)
+	_ idempotency.DeadlineBound      = (*Store)(nil)
+	_ idempotency.Inspector          = (*Store)(nil)
 )
 
 // New returns a Store that keeps its records in pool's database. Call
@@ -141,6 +146,9 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 		releaseSQL:     owner(n.Release, ``),
 		forgetSQL:      owner(n.Forget, ``),
 		heartbeatSQL:   owner(n.Heartbeat, `, $4`),
+		pointSQL:       owner(n.Point, `, $4, false`),
+		pointTxSQL:     owner(n.Point, `, $4, true`),
+		pointsSQL:      pointsSQL(t),
 		// The partial index on lease_until holds the records in flight only,
 		// so the scan's cost follows them, not every record kept. Records
 		// past retention still in it (until DeleteExpired) are filtered out.
@@ -233,13 +241,14 @@ func deadlineHandled(pool *pgxpool.Pool) (ok bool) {
 type names struct {
 	Table, Claim, Wake             string // schema-qualified
 	Complete, Release, Forget      string // schema-qualified
-	Heartbeat                      string // schema-qualified
+	Heartbeat, Point               string // schema-qualified
 	ExpiresIndex, LeaseIndex       string // in the table's schema
 	SettledTrigger, DeletedTrigger string // on the table
 	PromptClaim                    string // promptClaim as an SQL interval
 	// String literals, set by Migrate.
 	Channel        string
 	ClaimSignature string // Claim with its argument types, for to_regprocedure
+	TableName      string // Table, for a cast to regclass
 }
 
 // interval is d as an SQL interval literal.
@@ -262,6 +271,7 @@ func newNames(table string) names {
 		Release:        qualified("_release"),
 		Forget:         qualified("_forget"),
 		Heartbeat:      qualified("_heartbeat"),
+		Point:          qualified("_point"),
 		ExpiresIndex:   bare("_expires_at_idx"),
 		LeaseIndex:     bare("_lease_until_idx"),
 		SettledTrigger: bare("_settled"),
@@ -347,10 +357,11 @@ func (s *Store) migrateOnce(ctx context.Context, tmpl *template.Template, lockTi
 	escape := tx.Conn().PgConn().EscapeString
 	channel, err1 := escape(s.opts.Channel)
 	signature, err2 := escape(n.Claim + "(text, text, bytea, text, bigint, bigint, boolean)")
-	if err := errors.Join(err1, err2); err != nil {
+	table, err3 := escape(n.Table)
+	if err := errors.Join(err1, err2, err3); err != nil {
 		return storeerr.Unavailable("postgres migrate", err)
 	}
-	n.Channel, n.ClaimSignature = "'"+channel+"'", "'"+signature+"'"
+	n.Channel, n.ClaimSignature, n.TableName = "'"+channel+"'", "'"+signature+"'", "'"+table+"'"
 	var schema strings.Builder
 	if err := tmpl.Execute(&schema, n); err != nil {
 		return fmt.Errorf("postgres: rendering schema.sql: %w", err)
@@ -493,6 +504,77 @@ func (s *Store) Abandon(ctx context.Context, k idempotency.Key, token uint64) er
 	return s.ownerWrite(ctx, s.pool, "abandon", s.heartbeatSQL, k, token, int64(0))
 }
 
+// SaveRecoveryPoint implements idempotency.RecoveryPointStore, in one round
+// trip: the point function (schema.sql) appends p's entry to the record's.
+func (s *Store) SaveRecoveryPoint(ctx context.Context, k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
+	return s.savePoint(ctx, s.pool, s.pointSQL, k, token, p)
+}
+
+// RecoveryPoints implements idempotency.RecoveryPointStore, in one round
+// trip.
+func (s *Store) RecoveryPoints(ctx context.Context, k idempotency.Key, token uint64) ([]idempotency.RecoveryPoint, error) {
+	var b []byte
+	err := s.pool.QueryRow(ctx, s.pointsSQL, oneRoundTrip, k.Scope, k.Name, int64(token)).Scan(&b)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return nil, storeerr.Fenced("postgres recovery points")
+	case err != nil:
+		return nil, storeerr.Unavailable("postgres recovery points", err)
+	}
+	ps, err := wire.ParsePoints(b)
+	if err != nil {
+		return nil, storeerr.Unavailable("postgres recovery points", fmt.Errorf("record %q: %w", k, err))
+	}
+	var out []idempotency.RecoveryPoint
+	for _, p := range ps {
+		out = append(out, idempotency.RecoveryPoint{Step: p.Step, Result: p.Result})
+	}
+	return out, nil
+}
+
+// pointsSQL is the owner's read of its record's recovery points on table.
+// It finds the row as the owner's writes do (schema.sql), and, like them,
+// only while the token owns the record, in flight and not expired; the
+// lease is not judged.
+func pointsSQL(table string) string {
+	return `SELECT points FROM ` + table + ` t WHERE t.scope = $1 AND t.key = $2 AND t.token = $3
+		AND t.state || '' = 'in_progress' AND t.expires_at > now()`
+}
+
+// StepTx records result as the result of the step whose function runs in
+// ctx (the context idempotency.Step gives its function) inside the
+// caller's transaction tx: the step is recorded if and only if tx commits,
+// so that a business write made in tx and the recovery point are both
+// visible or neither, and a later attempt either finds both or runs the
+// step again. The record's key and the attempt's fencing token come from
+// ctx, and result is encoded with the step's codec.
+//
+// Pass as result the value the step's function returns: a later attempt
+// gets the one committed back from Step instead of running the function.
+// Commit tx before the function returns; if tx does not commit, return an
+// error from the function, so that this attempt does not take the step for
+// recorded either.
+//
+// It fails with ErrInvalidStep outside a step's function (or when the
+// encoded result is over idempotency.MaxStepResult), ErrForeignStore when
+// the operation's Guard keeps its records in another store (a migrating
+// store included), and ErrFenced once the owner's lease has run out, by this
+// process's clock or the database's, even if no one took the record over
+// yet; on any error, roll tx back.
+//
+// From the recording on, the record's row stays locked until tx ends, so no
+// claim can take the record over before tx commits or rolls back. Commit tx
+// with the operation's context: pgx sends no COMMIT on a context that is
+// done, so a transaction still open when the owner's lease ends locally
+// rolls back instead of committing. The owner's renewals wait on the row
+// lock meanwhile, so commit promptly: a transaction held open after StepTx
+// for about two thirds of the lease can outlast it.
+func (s *Store) StepTx(ctx context.Context, tx pgx.Tx, result any) error {
+	return idempotency.SaveStepOutside(ctx, s, result, func(k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
+		return s.savePoint(ctx, tx, s.pointTxSQL, k, token, p)
+	})
+}
+
 // ListAbandoned implements idempotency.Store, in one statement on the partial
 // index of the records in flight, the longest abandoned first.
 func (s *Store) ListAbandoned(ctx context.Context, limit int) ([]idempotency.AbandonedRecord, error) {
@@ -554,6 +636,10 @@ func (s *Store) DeleteExpired(ctx context.Context) (int64, error) {
 func (s *Store) complete(ctx context.Context, q querier, sql string, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
 	b := wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body)
 	return s.ownerWrite(ctx, q, "complete", sql, k, token, b, retention.Microseconds())
+}
+
+func (s *Store) savePoint(ctx context.Context, q querier, sql string, k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
+	return s.ownerWrite(ctx, q, "save recovery point", sql, k, token, wire.AppendPoint(nil, p.Step, p.Result))
 }
 
 // querier runs a statement on a pool or in a transaction.

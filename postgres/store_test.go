@@ -62,12 +62,17 @@ func TestStore(t *testing.T) {
 		{"CompleteTxFailures", testCompleteTxFailures},
 		{"CompleteTxWrongContext", testCompleteTxWrongContext},
 		{"CompleteTxTakeover", testCompleteTxTakeover},
+		{"StepTxCommit", testStepTxCommit},
+		{"StepTxRollback", testStepTxRollback},
+		{"StepTxWrongContext", testStepTxWrongContext},
+		{"StepTxLostLease", testStepTxLostLease},
 		{"DeleteExpired", testDeleteExpired},
 		{"ForgottenRecordGrace", testForgottenRecordGrace},
 		{"SlowClaimDrawsAgain", testSlowClaimDrawsAgain},
 		{"ListenerReconnect", testListenerReconnect},
 		{"MigrateConcurrently", testMigrateConcurrently},
 		{"MigrateUpgrade", testMigrateUpgrade},
+		{"MigrateRecoveryPoints", testMigrateRecoveryPoints},
 		{"TakeoverWaitsOutRelease", testTakeoverWaitsOutRelease},
 		{"AbandonedCorruptFingerprint", testAbandonedCorruptFingerprint},
 		{"ErrorsAreUnavailable", testErrorsAreUnavailable},
@@ -613,11 +618,15 @@ func testErrorsAreUnavailable(t *testing.T, f *fixture) {
 		"release":   s.Release(ctx, key("k"), 1),
 		"forget":    s.Forget(ctx, key("k"), 1),
 		"heartbeat": s.Heartbeat(ctx, key("k"), 1, longLease),
+		"point":     s.SaveRecoveryPoint(ctx, key("k"), 1, idempotency.RecoveryPoint{Step: "step"}),
 		"migrate":   s.Migrate(ctx),
 	} {
 		require.ErrorIs(t, err, idempotency.ErrUnavailable, name)
 		require.NotErrorIs(t, err, idempotency.ErrFenced, name)
 	}
+	_, err = s.RecoveryPoints(ctx, key("k"), 1)
+	require.ErrorIs(t, err, idempotency.ErrUnavailable)
+	require.NotErrorIs(t, err, idempotency.ErrFenced)
 	_, err = s.DeleteExpired(ctx)
 	require.ErrorIs(t, err, idempotency.ErrUnavailable)
 	_, err = s.ListAbandoned(ctx, 10)
