@@ -11,8 +11,9 @@ import (
 )
 
 // This file holds the Redis store's layout: the keys a record uses, and the
-// record's value as Go reads it. lua/record.lua writes and reads the same
-// value: change the two together (TestRecordLayout checks that they agree).
+// values under them as Go reads them. lua/record.lua writes and reads the
+// same values: change the two together (TestRecordLayout checks that they
+// agree).
 
 // The value of a record, as lua/record.lua lays it out (offsets from 0):
 // the state, the request's fingerprint, the operation ID's length in one
@@ -28,6 +29,21 @@ const (
 	recordOperationIDAt    = recordOperationIDLenAt + 1
 )
 
+// The value of a record's recovery points, as lua/record.lua lays it out
+// (TestRecoveryPointsLayout checks it): a marker byte (POINTS), the
+// operation ID's length in one byte and the operation ID of the record they
+// belong to, then their entries (internal/wire), in the order saved. The
+// marker is no record's state, so a tool that reads the first byte of every
+// key under the prefix as a state counts none of them. Points under another
+// operation ID are those of an earlier record of the same key, and count as
+// none. Only the scripts read the marker and the operation ID.
+
+// pointsSuffix follows a record's key in the key of its recovery points,
+// which so shares the record's hash tag. Every record's key ends with its
+// key's name, and a space is no byte of a name (Key.Validate), so no
+// record's key is the points key of another.
+const pointsSuffix = " points"
+
 // buckets is the number of hash tags records are spread over. Records share
 // a tag with their bucket's token sequence and in-flight index, so a claim
 // is one script on one slot; 1024 tags still spread records over every
@@ -40,16 +56,30 @@ const buckets = 1024
 // call sends them and boxing a string allocates.
 type bucketKeys struct{ seq, leases any }
 
-// recordKey returns the key of k's record, and the keys of its bucket. The
-// scope is length-prefixed, so no (scope, name) pair can be spelled as
-// another, and the spelling parses back (see parseRecordName).
-func (s *RedisStore) recordKey(k Key) (string, *bucketKeys) {
+// recordKeys are the keys of one record: its own, and that of its recovery
+// points. The scripts take them as *string, which go-redis sends as the
+// string and which, unlike a string, boxes into an argument without
+// allocating.
+type recordKeys struct{ rec, points string }
+
+// keysOf returns the keys of k's record, cut from one string, and the keys
+// of its bucket. The scope is length-prefixed, so no (scope, name) pair can
+// be spelled as another, and the spelling parses back (see
+// parseRecordName).
+func (s *RedisStore) keysOf(k Key) (*recordKeys, *bucketKeys) {
 	bucket := bucketOf(k)
-	b := make([]byte, 0, len(s.prefix)+len(k.Scope)+len(k.Name)+16)
-	b = s.appendTag(b, bucket)
+	var buf [256]byte // most keys are built on the stack, and copied once
+	b := s.appendTag(buf[:0], bucket)
 	b = strconv.AppendInt(b, int64(len(k.Scope)), 10)
 	b = append(append(append(append(b, ':'), k.Scope...), ':'), k.Name...)
-	return string(b), &s.buckets[bucket]
+	both := string(append(b, pointsSuffix...))
+	return &recordKeys{rec: both[:len(b)], points: both}, &s.buckets[bucket]
+}
+
+// recordKey returns the key of k's record, and the keys of its bucket.
+func (s *RedisStore) recordKey(k Key) (string, *bucketKeys) {
+	ks, bk := s.keysOf(k)
+	return ks.rec, bk
 }
 
 func parseRecordName(s string) (Key, bool) {

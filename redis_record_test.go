@@ -35,6 +35,22 @@ func TestRedisKeyLayout(t *testing.T) {
 	b, _ := s.recordKey(Key{Scope: "a", Name: "1:b"})
 	assert.NotEqual(t, a, b)
 
+	// The recovery points' key follows the record's, in its hash slot, and
+	// is no record's key: read as one, its name is no valid key's, whatever
+	// bytes the scope holds.
+	for _, k := range []Key{{Scope: "acct:1", Name: "k}{x"}, {Scope: "a points", Name: "b"}, {Scope: "\x00\xff :", Name: "~"}} {
+		ks, _ := s.keysOf(k)
+		rec, _ := s.recordKey(k)
+		assert.Equal(t, rec, ks.rec)
+		assert.Equal(t, rec+pointsSuffix, ks.points)
+		tag := s.bucketTag(bucketOf(k))
+		assert.True(t, strings.HasPrefix(ks.points, tag), "record %q and %q must share a hash tag", rec, ks.points)
+		read, ok := parseRecordName(strings.TrimPrefix(ks.points, tag))
+		require.True(t, ok, "%q", ks.points)
+		assert.Equal(t, k.Scope, read.Scope)
+		assert.ErrorIs(t, read.Validate(), ErrInvalidKey, "points key %q read as the record key of %q", ks.points, read)
+	}
+
 	_, err = NewRedisStore(c, RedisOptions{Prefix: "x{"})
 	assert.ErrorContains(t, err, "holds a brace")
 }

@@ -36,12 +36,17 @@ var (
 	inspectLua string
 	//go:embed lua/inflight.lua
 	inflightLua string
+	//go:embed lua/point.lua
+	pointLua string
+	//go:embed lua/points.lua
+	pointsLua string
 )
 
 // scripts are the store's Lua scripts, one per transition, each named for
 // its file in lua/.
 type scripts struct {
 	claim, complete, release, heartbeat, abandoned *script
+	point, points                                  *script // recovery points
 	inspect, inflight                              *script // an operator's reads
 }
 
@@ -200,6 +205,8 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 			release:   newScript(releaseLua),
 			heartbeat: newScript(heartbeatLua),
 			abandoned: newScript(abandonedLua),
+			point:     newScript(pointLua),
+			points:    newScript(pointsLua),
 			inspect:   newScript(inspectLua),
 			inflight:  newScript(inflightLua),
 		},
@@ -272,8 +279,8 @@ func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error)
 		// A record stores its length in one byte.
 		return Claim{}, fmt.Errorf("idempotency: operation ID of %d bytes, want 1..255", l)
 	}
-	rec, bk := s.recordKey(req.Key)
-	args := append(s.scripts.claim.args("3", 8), rec, bk.seq, bk.leases, string(req.Fingerprint[:]), req.OperationID,
+	ks, bk := s.keysOf(req.Key)
+	args := append(s.scripts.claim.args("4", 9), &ks.rec, &ks.points, bk.seq, bk.leases, string(req.Fingerprint[:]), req.OperationID,
 		req.Lease.Milliseconds(), req.Retention.Milliseconds(), luaBool(req.Watch))
 	cmd, unconfirmed := s.eval(ctx, s.scripts.claim, args, func(cmd *redis.Cmd) bool {
 		switch v := cmd.Val().(type) {
@@ -325,7 +332,8 @@ func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable f
 		return s.batch.run(ctx, sc, args).cmd, nil
 	}
 	keep := func(cmd *redis.Cmd) bool { return cmd.Err() == nil && (durable == nil || durable(cmd)) }
-	node, err := s.master(ctx, args[3].(string))
+	// args[3], the first key, is a record's (see recordKeys).
+	node, err := s.master(ctx, *args[3].(*string))
 	if err != nil {
 		cmd = redis.NewCmd(ctx)
 		cmd.SetErr(err)
@@ -458,9 +466,9 @@ func parseClaim(reply any, id string) (Claim, error) {
 // not confirmed by as many replicas returns ErrUnavailable, though the
 // master keeps it: a retry finds the outcome, unless a failover lost it.
 func (s *RedisStore) Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
-	rec, bk := s.recordKey(k)
+	ks, bk := s.keysOf(k)
 	body := wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body)
-	args := append(s.scripts.complete.args("2", 6), rec, bk.leases, strconv.FormatUint(token, 10), body, retention.Milliseconds(), s.publish)
+	args := append(s.scripts.complete.args("3", 7), &ks.rec, &ks.points, bk.leases, strconv.FormatUint(token, 10), body, retention.Milliseconds(), s.publish)
 	cmd, unconfirmed := s.eval(ctx, s.scripts.complete, args, nil)
 	return settled("complete", cmd, unconfirmed)
 }
@@ -480,10 +488,10 @@ func (s *RedisStore) Forget(ctx context.Context, k Key, token uint64) error {
 }
 
 // releaseArgs runs release.lua for the owner of token: it deletes the
-// record with forget, and releases it otherwise.
+// record and its recovery points with forget, and releases it otherwise.
 func (s *RedisStore) releaseArgs(k Key, token uint64, forget bool) []any {
-	rec, bk := s.recordKey(k)
-	return append(s.scripts.release.args("2", 5), rec, bk.leases, strconv.FormatUint(token, 10), luaBool(forget), s.publish)
+	ks, bk := s.keysOf(k)
+	return append(s.scripts.release.args("3", 6), &ks.rec, &ks.points, bk.leases, strconv.FormatUint(token, 10), luaBool(forget), s.publish)
 }
 
 // luaBool is a flag as the scripts read and write them, boxed as a script
@@ -518,9 +526,44 @@ func (s *RedisStore) Abandon(ctx context.Context, k Key, token uint64) error {
 }
 
 func (s *RedisStore) renew(ctx context.Context, k Key, token uint64, lease time.Duration) error {
-	rec, bk := s.recordKey(k)
-	args := append(s.scripts.heartbeat.args("2", 4), rec, bk.leases, strconv.FormatUint(token, 10), lease.Milliseconds())
+	ks, bk := s.keysOf(k)
+	args := append(s.scripts.heartbeat.args("3", 5), &ks.rec, &ks.points, bk.leases, strconv.FormatUint(token, 10), lease.Milliseconds())
 	return fenced("heartbeat", s.batch.run(ctx, s.scripts.heartbeat, args).cmd.Err())
+}
+
+// SaveRecoveryPoint implements RecoveryPointStore: point.lua appends p's
+// entry to the record's recovery points (see lua/record.lua). With
+// RedisOptions.Replicas set, a save not confirmed by as many replicas
+// returns ErrUnavailable, though the master keeps it.
+func (s *RedisStore) SaveRecoveryPoint(ctx context.Context, k Key, token uint64, p RecoveryPoint) error {
+	ks, _ := s.keysOf(k)
+	args := append(s.scripts.point.args("2", 4), &ks.rec, &ks.points, strconv.FormatUint(token, 10), wire.AppendPoint(nil, p.Step, p.Result))
+	cmd, unconfirmed := s.eval(ctx, s.scripts.point, args, nil)
+	return settled("save recovery point", cmd, unconfirmed)
+}
+
+// RecoveryPoints implements RecoveryPointStore: points.lua reads the
+// record's recovery points.
+func (s *RedisStore) RecoveryPoints(ctx context.Context, k Key, token uint64) ([]RecoveryPoint, error) {
+	ks, _ := s.keysOf(k)
+	args := append(s.scripts.points.args("2", 3), &ks.rec, &ks.points, strconv.FormatUint(token, 10))
+	cmd := s.batch.run(ctx, s.scripts.points, args).cmd
+	if err := fenced("recovery points", cmd.Err()); err != nil {
+		return nil, err
+	}
+	entries, ok := cmd.Val().(string)
+	if !ok {
+		return nil, storeerr.Unavailable("recovery points", fmt.Errorf("unexpected reply %q", cmd.Val()))
+	}
+	ps, err := wire.ParsePoints([]byte(entries))
+	if err != nil {
+		return nil, storeerr.Unavailable("recovery points", err)
+	}
+	out := make([]RecoveryPoint, len(ps))
+	for i, p := range ps {
+		out[i] = RecoveryPoint(p)
+	}
+	return out, nil
 }
 
 // Subscribe implements Store: the record's key is also its channel.

@@ -1,7 +1,8 @@
 -- claim: one atomic claim of a record (see Store.Claim in store.go).
--- KEYS[1] the record, KEYS[2] the token sequence of its hash slot, KEYS[3]
--- the slot's in-flight index (a sorted set: record -> lease deadline), which
--- lets a sweeper find abandoned records without scanning the keyspace.
+-- KEYS[1] the record, KEYS[2] its recovery points, KEYS[3] the token
+-- sequence of its hash slot, KEYS[4] the slot's in-flight index (a sorted
+-- set: record -> lease deadline), which lets a sweeper find abandoned
+-- records without scanning the keyspace.
 -- ARGV: fingerprint, this claim's id (the operation ID of a record it
 -- makes), lease ms, retention ms, watch ("1": remember that a waiter waits,
 -- so that settling publishes).
@@ -9,13 +10,15 @@
 -- integer); completed, the record itself (a string); otherwise an array:
 -- {'owner', operation ID, attempt, token, abandoned}, {'inflight', ms left}
 -- or {'mismatch'}.
-local rec, seq, leases = KEYS[1], KEYS[2], KEYS[3]
+local rec, pts, seq, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local fp, id, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
 
 local v = redis.call('GET', rec)
 if not v then
   -- The sequence never expires, so a token is never issued twice, even
   -- after a record expires and is made again: fencing survives expiry.
+  -- Recovery points left by an earlier record of the key are under its
+  -- operation ID, not this one: they count as none.
   local token = redis.call('INCR', seq)
   local deadline = string.format('%d', now() + lease)
   redis.call('SET', rec, encode(IN_FLIGHT, fp, id, deadline, string.format('%d', token), '1', '0', '0', ''), 'PX', ARGV[4])
@@ -64,9 +67,11 @@ token = string.format('%d', redis.call('INCR', seq))
 attempt = string.format('%d', tonumber(attempt) + 1)
 deadline = string.format('%d', t + lease)
 v = encode(IN_FLIGHT, fp, op, deadline, token, attempt, abandoned, waited, id)
--- The new owner must not lose the record to expiry while it runs.
+-- The new owner must not lose the record to expiry while it runs, nor the
+-- recovery points of the attempts before it.
 if redis.call('PTTL', rec) < tonumber(ARGV[4]) then
   redis.call('SET', rec, v, 'PX', ARGV[4])
+  redis.call('PEXPIRE', pts, ARGV[4])
 else
   redis.call('SET', rec, v, 'KEEPTTL')
 end

@@ -1,5 +1,6 @@
 -- complete: the owner stores its outcome (see Store.Complete).
--- KEYS[1] the record, KEYS[2] its slot's in-flight index. ARGV: token,
+-- KEYS[1] the record, KEYS[2] its recovery points, which the outcome ends,
+-- KEYS[3] its slot's in-flight index. ARGV: token,
 -- stored response, retention ms, the publish command (PUBLISH, or SPUBLISH
 -- on a cluster).
 local rec = KEYS[1]
@@ -15,7 +16,8 @@ if not v then
   return fenced()
 end
 redis.call('SET', rec, completed(v, op, ARGV[2]), 'PX', ARGV[3])
-redis.call('ZREM', KEYS[2], rec)
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[3], rec)
 -- Only a registered waiter costs a publish: the happy path pays nothing.
 if waited == '1' then
   redis.call(ARGV[4], rec, COMPLETED)

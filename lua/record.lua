@@ -18,10 +18,23 @@
 --   claimer: the id of the claim that made this owner, empty for the
 --     record's maker, whose id is the operation ID.
 -- Numbers are written with '%d': Lua's own '%.14g' would round large ones.
+--
+-- A record's recovery points (RecoveryPointStore) are one string under a key
+-- of their own, the record's key followed by " points", in the record's
+-- hash slot:
+--   byte 1: POINTS, which is no state;
+--   byte 2: the record's operation ID's length, then the operation ID;
+-- then the points' entries (internal/wire), in the order saved, a resent
+-- save's entry after the first (which is the one that counts). Points under
+-- another operation ID are an earlier record's of the same key, and count
+-- as none. The points key expires when the record does: every script that
+-- moves the record's expiry moves the points key's, and a save gives the
+-- points key the record's. A completion and a forgetting delete it.
 
 local COMPLETED, IN_FLIGHT, RELEASED = 'c', 'p', 'r'
 local FINGERPRINT_FIRST, FINGERPRINT_LAST = 2, 33
 local OP_LEN_AT = 34
+local POINTS = 's'
 
 local function state(v)
   return string.sub(v, 1, 1)
@@ -79,6 +92,12 @@ local function owned(rec, token)
       return v, op, deadline, attempt, abandoned, waited, claimer
     end
   end
+end
+
+-- pointsHead is how the recovery points of the record whose operation ID
+-- is op begin: recovery points that begin otherwise count as none.
+local function pointsHead(op)
+  return POINTS .. string.char(#op) .. op
 end
 
 local function fenced()
