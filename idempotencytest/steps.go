@@ -79,8 +79,7 @@ func recoveryPoints(e *env) {
 		req, first := e.ownShortLease("abandoned", fp)
 		save(e, req.Key, first.Token, "order", "charge")
 		e.wait(e.past)
-		req.Lease = longLease
-		second := e.own(req, 2, req.OperationID, "the takeover of an abandoned record")
+		second := e.own(request(req.Key, fp), 2, req.OperationID, "the takeover of an abandoned record")
 		e.requireAbandoned(second, true, "the takeover")
 		requirePoints(e, req.Key, second.Token, "the takeover", "order", "charge")
 	})
