@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -76,7 +75,7 @@ var (
 )
 
 func newCharge(req chargeRequest) charge {
-	return charge{ID: "ch_" + strings.ToLower(rand.Text()), Amount: req.Amount, Currency: req.Currency, Source: req.Source, Status: "succeeded"}
+	return charge{ID: newID("ch_"), Amount: req.Amount, Currency: req.Currency, Source: req.Source, Status: "succeeded"}
 }
 
 // respondAfter simulates the provider's latency. The charge is made before
@@ -96,7 +95,7 @@ func respondAfter(ctx context.Context, latency time.Duration) error {
 // Redis keys of the example's own state, beside the idempotency records.
 // Keys used together share a hash tag, so that they work on a Redis Cluster.
 const (
-	gatewayCallsKey   = "payments:{gateway}:calls"   // a counter
+	gatewayCallsKey   = "payments:{gateway}:calls"   // a list: the downstream key of every call
 	gatewayChargesKey = "payments:{gateway}:charges" // downstream key -> charge JSON
 	ledgerKey         = "payments:{ledger}"          // charge id -> charge JSON
 	ledgerTokensKey   = "payments:{ledger}:tokens"   // charge id -> token of its last writer
@@ -115,7 +114,8 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return 1
 `)
 
-// redisBackend is the gateway and the ledger in Redis.
+// redisBackend is the orders, the gateway, the receipts and the ledger in
+// Redis (see orders.go for the orders and the receipts).
 type redisBackend struct {
 	c       redis.UniversalClient
 	latency time.Duration
@@ -130,7 +130,7 @@ func (b *redisBackend) charge(ctx context.Context, key string, req chargeRequest
 	// the charge read is the one that won.
 	var got *redis.StringCmd
 	if _, err := b.c.TxPipelined(ctx, func(p redis.Pipeliner) error {
-		p.Incr(ctx, gatewayCallsKey)
+		p.RPush(ctx, gatewayCallsKey, key)
 		p.HSetNX(ctx, gatewayChargesKey, key, proposed)
 		got = p.HGet(ctx, gatewayChargesKey, key)
 		return nil
@@ -160,8 +160,8 @@ func (b *redisBackend) lookup(ctx context.Context, key string) (charge, bool, er
 }
 
 func (b *redisBackend) stats(ctx context.Context) (gatewayStats, error) {
-	calls, err := b.c.Get(ctx, gatewayCallsKey).Int64()
-	if err != nil && !errors.Is(err, redis.Nil) {
+	calls, err := b.c.LLen(ctx, gatewayCallsKey).Result()
+	if err != nil {
 		return gatewayStats{}, err
 	}
 	charges, err := b.c.HLen(ctx, gatewayChargesKey).Result()
@@ -211,6 +211,7 @@ func (b *redisBackend) list(ctx context.Context) ([]charge, error) {
 }
 
 // postgresSchema is the example's own tables, beside the idempotency store's.
+// The gateway's calls, the orders and the receipts have a row per call.
 const postgresSchema = `
 CREATE TABLE IF NOT EXISTS payments_gateway_calls (
     downstream_key text        NOT NULL,
@@ -224,10 +225,21 @@ CREATE TABLE IF NOT EXISTS payments_ledger (
     id     text   PRIMARY KEY,
     charge jsonb  NOT NULL,
     token  bigint NOT NULL -- the fencing token of the attempt that last wrote the row
-);`
+);
+CREATE TABLE IF NOT EXISTS payments_orders (
+    operation text  NOT NULL, -- the idempotency operation that placed the order
+    body      jsonb NOT NULL
+);
+CREATE INDEX IF NOT EXISTS payments_orders_operation ON payments_orders (operation);
+CREATE TABLE IF NOT EXISTS payments_receipts (
+    operation text  NOT NULL, -- the idempotency operation that sent the receipt
+    body      jsonb NOT NULL
+);
+CREATE INDEX IF NOT EXISTS payments_receipts_operation ON payments_receipts (operation);`
 
-// postgresBackend is the gateway and the ledger in PostgreSQL, beside the
-// idempotency records of store.
+// postgresBackend is the orders, the gateway, the receipts and the ledger in
+// PostgreSQL, beside the idempotency records of store (see orders.go for the
+// orders and the receipts).
 type postgresBackend struct {
 	pool    *pgxpool.Pool
 	store   *postgres.Store
@@ -303,10 +315,13 @@ func (b *postgresBackend) recordCompleting(ctx context.Context, c charge, token 
 	})
 }
 
-// recordIn writes c to the ledger through q, a pool or a transaction.
-func recordIn(ctx context.Context, q interface {
+// execer is a pool or a transaction.
+type execer interface {
 	Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
-}, c charge, token uint64) error {
+}
+
+// recordIn writes c to the ledger through q.
+func recordIn(ctx context.Context, q execer, c charge, token uint64) error {
 	tag, err := q.Exec(ctx, `
 		INSERT INTO payments_ledger AS l (id, charge, token) VALUES ($1, $2, $3)
 		ON CONFLICT (id) DO UPDATE SET charge = excluded.charge, token = excluded.token

@@ -11,9 +11,11 @@ import (
 	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
-// backend is the gateway and the ledger, which every implementation is.
+// backend is the services of a charge, which every implementation is.
 type backend interface {
+	orders
 	gateway
+	receipts
 	ledger
 }
 
@@ -25,6 +27,7 @@ func TestBackends(t *testing.T) {
 		t.Run("gateway agrees on one charge", func(t *testing.T) { testGatewayAgreesOnOneCharge(t, b) })
 		t.Run("gateway lookup is not a call", func(t *testing.T) { testGatewayLookup(t, b) })
 		t.Run("ledger refuses stale attempts", func(t *testing.T) { testLedgerRefusesStaleAttempts(t, b) })
+		t.Run("orders and receipts by operation", func(t *testing.T) { testRowsByOperation(t, b) })
 	}
 	t.Run("redis", func(t *testing.T) {
 		t.Parallel()
@@ -112,4 +115,29 @@ func testLedgerRefusesStaleAttempts(t *testing.T, l ledger) {
 	all, err := l.list(ctx)
 	require.NoError(t, err)
 	assert.Equal(t, []charge{d, c}, all)
+}
+
+// An operation's order and receipt are found by the operation, and an
+// operation that placed or sent none has none.
+func testRowsByOperation(t *testing.T, b backend) {
+	ctx := t.Context()
+	o := order{ID: "ord_1", Operation: "op_1", Attempt: 2, Amount: 4200, Currency: "usd", Source: "tok_visa"}
+	require.NoError(t, b.place(ctx, o))
+	got, found, err := b.placedBy(ctx, "op_1")
+	require.NoError(t, err)
+	require.True(t, found)
+	assert.Equal(t, o, got)
+	_, found, err = b.placedBy(ctx, "op_2")
+	require.NoError(t, err)
+	assert.False(t, found)
+
+	r := receipt{ID: "rc_1", Operation: "op_1", Attempt: 3, Order: o.ID, Charge: "ch_1", Amount: 4200, Currency: "usd"}
+	require.NoError(t, b.send(ctx, r))
+	sent, found, err := b.sentFor(ctx, "op_1")
+	require.NoError(t, err)
+	require.True(t, found)
+	assert.Equal(t, r, sent)
+	_, found, err = b.sentFor(ctx, "op_2")
+	require.NoError(t, err)
+	assert.False(t, found)
 }

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -19,13 +18,17 @@ type chargeRequest struct {
 	Source   string `json:"source"`   // a card token
 }
 
-// api serves the payments API. Everything it keeps is in the gateway and the
-// ledger, which every instance shares, so any number of instances act as
-// one service.
+// api serves the payments API. Everything it keeps is in the orders, the
+// gateway, the receipts and the ledger, which every instance shares, so any
+// number of instances act as one service.
 type api struct {
-	gateway gateway
-	ledger  ledger
-	metrics http.Handler // GET /metrics; nil: not mounted
+	orders   orders
+	gateway  gateway
+	receipts receipts
+	ledger   ledger
+	metrics  http.Handler // GET /metrics; nil: not mounted
+	resume   bool         // run a charge's steps through idempotency.Step (see step)
+	crash    *crasher     // for tests: nil, or when to kill the process
 }
 
 // routes mounts the API. Only POST /v1/charges is guarded: its handler runs
@@ -57,95 +60,20 @@ func (a *api) createCharge(w http.ResponseWriter, r *http.Request) {
 		writeProblem(w, http.StatusBadRequest, "invalid-charge", "Invalid charge", err.Error())
 		return
 	}
-	ctx := r.Context()
-	// The provider's key comes from the operation, not from the client's
-	// key: every attempt at this operation, on any instance, sends the same
-	// one, so a takeover after a crash gets the original charge back
-	// instead of charging the card twice.
-	key, err := idempotency.DownstreamKey(ctx, "gateway")
-	if err != nil {
-		http.Error(w, "charges are served through the idempotency middleware only", http.StatusInternalServerError)
-		return
-	}
-	c, err := a.gateway.charge(ctx, key, req)
-	if err != nil {
-		// A 5xx releases the key: the client's retry calls the gateway
-		// again, with the same downstream key.
-		log.Printf("gateway: %v", err)
-		writeProblem(w, http.StatusServiceUnavailable, "gateway-unavailable", "Payment gateway unavailable",
-			"The payment gateway could not be reached; retry with the same Idempotency-Key.")
-		return
-	}
-	resp, err := chargeCreated(c)
-	if err != nil {
-		internalError(w, "encoding", err)
-		return
-	}
-	completed, err := a.recordCharge(ctx, c, resp)
-	if err != nil {
-		log.Printf("ledger: %v", err)
-		writeProblem(w, http.StatusServiceUnavailable, "ledger-unavailable", "Charge not recorded",
-			"The charge could not be recorded; retry with the same Idempotency-Key.")
-		return
-	}
-	if !completed {
+	resp, completed, err := a.charge(r.Context(), req)
+	var failed serviceError
+	switch {
+	case errors.As(err, &failed):
+		// A 5xx releases the key: the client's retry resumes the charge
+		// at the step that failed.
+		log.Printf("%v", err)
+		writeProblem(w, http.StatusServiceUnavailable, failed.service+"-unavailable", "Charge not completed",
+			"The "+failed.service+" service failed; retry with the same Idempotency-Key to resume the charge.")
+	case err != nil:
+		internalError(w, "charge", err)
+	case !completed:
 		writeResponse(w, resp) // the middleware stores it, then sends it
 	}
-}
-
-// recordCharge writes c to the ledger under the attempt's fencing token,
-// which lets the ledger refuse an attempt that was taken over (it stalled
-// past its lease) and wakes up late. A ledger in the idempotency store's
-// database also completes the operation with answer in the same
-// transaction, and recordCharge reports true: the middleware then sends
-// answer, exactly what was committed, and the handler writes nothing.
-func (a *api) recordCharge(ctx context.Context, c charge, answer idempotency.Response) (completed bool, err error) {
-	info, _ := idempotency.FromContext(ctx) // always there: the Guard runs the handler and the hook
-	if tl, ok := a.ledger.(transactionalLedger); ok {
-		return true, tl.recordCompleting(ctx, c, info.Token, answer)
-	}
-	return false, a.ledger.record(ctx, c, info.Token)
-}
-
-// recoverCharge is the Guard's Options.Recover. It runs, as the record's new
-// owner, when an attempt at a charge was abandoned: its instance died or
-// stalled past its lease somewhere between claiming the key and storing its
-// answer, so whether the card was charged is unknown to the service. The
-// gateway knows, under the operation's downstream key.
-func (a *api) recoverCharge(ctx context.Context) (idempotency.Response, error) {
-	key, err := idempotency.DownstreamKey(ctx, "gateway")
-	if err != nil {
-		return idempotency.Response{}, err
-	}
-	c, charged, err := a.gateway.lookup(ctx, key)
-	if err != nil {
-		// Neither charging again nor answering is safe without the
-		// gateway's word: the record stays abandoned for a later retry or
-		// sweep, and the client is told to retry (409). Logged here, since
-		// a sweep does not report a record it could not settle yet.
-		log.Printf("recover: %s: %v; left abandoned", key, err)
-		return idempotency.Response{}, fmt.Errorf("%w: %w", idempotency.ErrUnknown, err)
-	}
-	if !charged {
-		// The dead attempt never reached the gateway: release the record,
-		// and the handler runs now as for a first attempt.
-		log.Printf("recover: %s never charged; released for the handler to run", key)
-		idempotency.SetDisposition(ctx, idempotency.Release)
-		return idempotency.Response{}, nil
-	}
-	// The dead attempt charged, and may or may not have written the
-	// ledger. This attempt's token is greater than the dead one's, so this
-	// write goes through, and a stalled owner that wakes up later cannot
-	// overwrite it.
-	resp, err := chargeCreated(c)
-	if err != nil {
-		return idempotency.Response{}, err
-	}
-	if _, err := a.recordCharge(ctx, c, resp); err != nil {
-		return idempotency.Response{}, fmt.Errorf("ledger: %w", err)
-	}
-	log.Printf("recover: %s had charged %s; recorded it", key, c.ID)
-	return resp, nil
 }
 
 // chargeCreated is the answer to a charge the gateway made. The handler

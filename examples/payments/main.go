@@ -6,7 +6,8 @@
 //
 // Usage:
 //
-//	payments [-addr 127.0.0.1:8080] [-redis HOST:PORT | -cluster ADDR,... | -postgres DSN] [-work 20ms] [-lease 0] [-wait 0] [-sweep 0]
+//	payments [-addr 127.0.0.1:8080] [-redis HOST:PORT | -cluster ADDR,... | -postgres DSN]
+//		[-work 20ms] [-lease 0] [-wait 0] [-sweep 0] [-recovery-points=true]
 //
 // Without -redis, -cluster or -postgres it runs on an embedded Redis
 // (miniredis), which no other process sees: fine for a try-out, not for
@@ -16,23 +17,39 @@
 // through OpenTelemetry: the Guard's, from the idempotencyotel Observer, and
 // the store's records in flight and abandoned (Stats), read on each scrape.
 //
-// The gateway and the ledger live in the same database as the idempotency
-// records. The gateway deduplicates on its own idempotency key, which the
-// handler derives with idempotency.DownstreamKey, as a real provider would.
-// On PostgreSQL the handler writes the charge to the ledger and completes
-// its idempotency record in one transaction (postgres.Store.CompleteTx):
-// the ledger holds a charge if and only if its answer is stored.
+// A charge is three steps: place the order, charge the card, send the
+// receipt. Each runs through idempotency.Step, which records its result (a
+// recovery point) before the next step begins; then the charge is written
+// to the ledger and its 201 stored. An attempt after a crash resumes after
+// the last step recorded instead of starting over, so no step runs twice.
 //
-// An instance that dies between the gateway's charge and storing its answer
-// leaves the operation abandoned once its lease runs out. The recovery hook
-// (idempotency.Options.Recover) settles it without running the handler
-// blindly: it asks the gateway about the operation's downstream key, and
-// either records the charge that was made in the ledger and stores the very
-// 201 the handler would have sent, or, when nothing was charged, releases the
-// key so that the handler runs. A client's retry runs the hook; with
-// -sweep, each instance also runs it every interval on abandoned operations
-// that no client retries, so a charge made just before a crash reaches the
-// ledger anyway.
+// The orders, the gateway, the receipts and the ledger live in the same
+// database as the idempotency records. The orders and the receipts keep a
+// row per call. The gateway deduplicates on its own idempotency key, which
+// the handler derives with idempotency.DownstreamKey, as a real provider
+// would. On PostgreSQL the order row and its recovery point commit in one
+// transaction (postgres.Store.StepTx), and so do the ledger's row and the
+// stored answer (postgres.Store.CompleteTx): the ledger holds a charge if
+// and only if its answer is stored.
+//
+// A crash can still fall inside a step, after its effect and before its
+// record. The operation is then abandoned once its lease runs out, and the
+// recovery hook (idempotency.Options.Recover) settles it without running
+// anything blindly: it reads the steps recorded and asks the service of the
+// next one whether it happened under this operation, recording what the
+// service says. If the card was charged, the hook finishes the charge (the
+// receipt, unless one was sent, and the ledger) and stores the very 201 the
+// handler would have sent; if not, it releases the key, and the handler
+// runs, resuming after the steps recorded. A client's retry runs the hook;
+// with -sweep, each instance also runs it every interval on abandoned
+// operations that no client retries, so a charge made just before a crash
+// reaches the ledger anyway.
+//
+// With -recovery-points=false the handler runs the steps without Step, and
+// there is no hook: an attempt after a crash runs every step again, and
+// only the gateway's key keeps the card from being charged twice. The
+// tests' kill audit (TestKillAudit) runs both ways and counts the steps
+// run; -crash-after and -crash-every crash its instances between steps.
 package main
 
 import (
@@ -61,6 +78,9 @@ type config struct {
 	addr, redis, cluster     string
 	postgres                 string
 	work, lease, wait, sweep time.Duration
+	resume                   bool
+	crashAfter               string
+	crashEvery               int
 }
 
 func main() {
@@ -74,6 +94,10 @@ func main() {
 	flag.DurationVar(&cfg.lease, "lease", 0, "the idempotency lease (0: the library's default)")
 	flag.DurationVar(&cfg.wait, "wait", 0, "how long a duplicate waits for the original (0: the library's default; negative: do not wait)")
 	flag.DurationVar(&cfg.sweep, "sweep", 0, "how often to settle abandoned operations no client retries (0: never)")
+	flag.BoolVar(&cfg.resume, "recovery-points", true, "record each step of a charge, so that a retry after a crash resumes after the last one; "+
+		"false: every attempt runs every step, with no recovery hook")
+	flag.StringVar(&cfg.crashAfter, "crash-after", "", "for tests: kill the process (SIGKILL) right after every -crash-every'th run of this `step` (order, charge or receipt)")
+	flag.IntVar(&cfg.crashEvery, "crash-every", 4, "see -crash-after")
 	flag.Parse()
 	if err := run(cfg); err != nil {
 		log.Fatal(err)
@@ -83,7 +107,13 @@ func main() {
 func run(cfg config) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-
+	if cfg.sweep > 0 && !cfg.resume {
+		return errors.New("-sweep needs the recovery hook, which -recovery-points=false turns off")
+	}
+	crash, err := newCrasher(cfg.crashAfter, cfg.crashEvery)
+	if err != nil {
+		return err
+	}
 	b, err := open(ctx, cfg)
 	if err != nil {
 		return err
@@ -96,12 +126,16 @@ func run(cfg config) error {
 	// Deferred after b.close, so it runs before it: no scrape reads a
 	// closed store.
 	defer m.shutdown()
-	a := &api{gateway: b.gateway, ledger: b.ledger, metrics: m.handler}
+	a := &api{orders: b.orders, gateway: b.gateway, receipts: b.receipts, ledger: b.ledger, metrics: m.handler,
+		resume: cfg.resume, crash: crash}
 	// A claim the store has not answered in 2 s is answered 503, so the
 	// client retries on another instance rather than wait on a silent
 	// link; the store clients below honour that deadline.
-	guard := idempotency.New(b.store, idempotency.Options{Lease: cfg.lease, WaitTimeout: cfg.wait, Recover: a.recoverCharge,
-		Observer: m.observer, ClaimTimeout: 2 * time.Second})
+	opts := idempotency.Options{Lease: cfg.lease, WaitTimeout: cfg.wait, Observer: m.observer, ClaimTimeout: 2 * time.Second}
+	if a.resume {
+		opts.Recover = a.recoverCharge
+	}
+	guard := idempotency.New(b.store, opts)
 	defer m.observer.Track(guard)()
 	if cfg.sweep > 0 {
 		sweepCtx, stopSweep := context.WithCancel(ctx)
@@ -114,9 +148,13 @@ func run(cfg config) error {
 		// open until the sweeper is gone.
 		defer func() { stopSweep(); <-swept }()
 	}
-	srv := &http.Server{Handler: a.routes(guard), ReadHeaderTimeout: 10 * time.Second}
+	return serve(ctx, cfg.addr, a.routes(guard))
+}
 
-	ln, err := net.Listen("tcp", cfg.addr)
+// serve serves h on addr until ctx is done, then shuts down.
+func serve(ctx context.Context, addr string, h http.Handler) error {
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return err
 	}
@@ -160,13 +198,15 @@ func sweep(ctx context.Context, guard *idempotency.Guard, every time.Duration) {
 }
 
 // backends is the state every instance shares: the idempotency records, the
-// gateway and the ledger, all in one database.
+// orders, the gateway, the receipts and the ledger, all in one database.
 type backends struct {
-	store   idempotency.Store
-	stats   idempotencyotel.StatsReader // the same store, for the metrics' gauges
-	gateway gateway
-	ledger  ledger
-	close   func()
+	store    idempotency.Store
+	stats    idempotencyotel.StatsReader // the same store, for the metrics' gauges
+	orders   orders
+	gateway  gateway
+	receipts receipts
+	ledger   ledger
+	close    func()
 }
 
 func open(ctx context.Context, cfg config) (*backends, error) {
@@ -209,7 +249,8 @@ func openPostgres(ctx context.Context, cfg config) (*backends, error) {
 		pool.Close()
 		return nil, err
 	}
-	return &backends{store: store, stats: store, gateway: pg, ledger: pg, close: func() { store.Close(); pool.Close() }}, nil
+	return &backends{store: store, stats: store, orders: pg, gateway: pg, receipts: pg, ledger: pg,
+		close: func() { store.Close(); pool.Close() }}, nil
 }
 
 func openRedis(ctx context.Context, cfg config) (*backends, error) {
@@ -257,7 +298,7 @@ func openRedis(ctx context.Context, cfg config) (*backends, error) {
 		return nil, err
 	}
 	rb := &redisBackend{c: c, latency: cfg.work}
-	return &backends{store: store, stats: store, gateway: rb, ledger: rb, close: func() {
+	return &backends{store: store, stats: store, orders: rb, gateway: rb, receipts: rb, ledger: rb, close: func() {
 		store.Close()
 		c.Close()
 		closeEmbedded()

@@ -88,7 +88,7 @@ func openBackend(ctx context.Context, cfg config) (backend, error) {
 			// Instances create the tables; a given database may hold an
 			// earlier soak's.
 			_, err = c.Exec(ctx, `DROP TABLE IF EXISTS idempotency_records, payments_gateway_calls,
-				payments_gateway_charges, payments_ledger`)
+				payments_gateway_charges, payments_ledger, payments_orders, payments_receipts`)
 		}
 		if err != nil {
 			return nil, errors.Join(fmt.Errorf("postgres: %w", err), stop())

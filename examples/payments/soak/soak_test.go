@@ -34,8 +34,11 @@ func TestSoak(t *testing.T) {
 			if n := s.violations(); n > 0 {
 				t.Errorf("%d violations", n)
 			}
+			// A floor that says the load ran, not a speed: a charge is three
+			// recorded steps, some 13 store round trips on PostgreSQL, and the
+			// instances may run under the race detector on a loaded machine.
 			ops, _, _ := s.counts()
-			if ops < 100 {
+			if ops < 30 {
 				t.Errorf("only %d charges made", ops)
 			}
 			var kinds int
