@@ -80,11 +80,29 @@ func testCorruptRows(t *testing.T, f *fixture) {
 	// Recovery points that do not parse are refused to their owner.
 	k := key("corrupt-points")
 	owner := claim(t, s, request(k.Name, longLease))
-	_, err = f.pool.Exec(ctx, `UPDATE `+o.Table+` SET points = '\xff' WHERE scope = $1 AND key = $2`, k.Scope, k.Name)
+	_, err = f.pool.Exec(ctx, `UPDATE `+o.Table+` SET points = set_byte('\x00'::bytea, 0, octet_length(operation_id)) || convert_to(operation_id, 'UTF8') || '\xff'::bytea
+		WHERE scope = $1 AND key = $2`, k.Scope, k.Name)
 	require.NoError(t, err)
 	_, err = s.RecoveryPoints(ctx, k, owner.Token)
 	require.ErrorIs(t, err, idempotency.ErrUnavailable)
 	require.NotErrorIs(t, err, idempotency.ErrFenced)
+
+	// Points under another operation ID, as a function of an earlier
+	// version leaves them on a record made anew, count as none, and a save
+	// replaces them.
+	k = key("stale-points")
+	owner = claim(t, s, request(k.Name, longLease))
+	_, err = f.pool.Exec(ctx, `UPDATE `+o.Table+` SET points = '\x066f705f6f6c64'::bytea || $3::bytea
+		WHERE scope = $1 AND key = $2`, k.Scope, k.Name, wire.AppendPoint(nil, "charge", []byte(`"ch_old"`)))
+	require.NoError(t, err)
+	ps, err := s.RecoveryPoints(ctx, k, owner.Token)
+	require.NoError(t, err)
+	assert.Empty(t, ps, "the points of another operation")
+	p := idempotency.RecoveryPoint{Step: "order", Result: []byte(`"ord_1"`)}
+	require.NoError(t, s.SaveRecoveryPoint(ctx, k, owner.Token, p))
+	ps, err = s.RecoveryPoints(ctx, k, owner.Token)
+	require.NoError(t, err)
+	assert.Equal(t, []idempotency.RecoveryPoint{p}, ps, "the points saved over another operation's")
 
 	report.Add(t, report.Entry{Suite: "fuzz", Store: "postgres", Faults: map[string]int{"corrupt-row": rows}, Operations: claims})
 }

@@ -21,9 +21,9 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
     -- The outcome in the stored-response form of internal/wire, the same
     -- bytes every store keeps; set exactly when the record is completed.
     response     bytea       CHECK ((state = 'completed') = (response IS NOT NULL)),
-    -- The recovery points of the attempts in flight, their entries in the
-    -- form of internal/wire one after the other, in the order saved; NULL
-    -- for none. A completion, a forgetting and a record made anew clear it.
+    -- The recovery points of the attempts in flight: the operation ID they
+    -- belong to (see the point function), then their entries in the form of
+    -- internal/wire one after the other, in the order saved; NULL for none. A completion, a forgetting and a record made anew clear it.
     points       bytea,
     -- A waiter registered on this record: only then does settling it notify.
     waiters      boolean     NOT NULL DEFAULT false,
@@ -261,14 +261,19 @@ $$;
 
 -- Point appends the entry of one recovery point (internal/wire) to the
 -- record's. An entry of a step saved before is appended too, and the
--- reader skips it: the first entry of a step is the one that counts. In
--- the caller's transaction (p_in_tx), the lease is judged as Complete
--- judges it.
+-- reader skips it: the first entry of a step is the one that counts. The
+-- points begin with the operation ID they belong to ({{.PointsHead}}):
+-- points under another operation ID are an earlier record's of the key,
+-- left by a function of an earlier version that did not clear them, and
+-- count as none, so they are overwritten. In the caller's transaction
+-- (p_in_tx), the lease is judged as Complete judges it.
 CREATE OR REPLACE FUNCTION {{.Point}}(p_scope text, p_key text, p_token bigint,
     p_entry bytea, p_in_tx boolean) RETURNS boolean
 LANGUAGE plpgsql AS $$
 BEGIN
-    UPDATE {{.Table}} t SET points = coalesce(t.points, '') || p_entry
+    UPDATE {{.Table}} t SET points = CASE
+            WHEN substring(t.points FROM 1 FOR octet_length({{.PointsHead}})) = {{.PointsHead}} THEN t.points || p_entry
+            ELSE {{.PointsHead}} || p_entry END
     WHERE t.scope = p_scope AND t.key = p_key AND t.token = p_token AND t.state || '' = 'in_progress'
         AND t.expires_at > now() AND (NOT p_in_tx OR t.lease_until > clock_timestamp());
     RETURN FOUND;

@@ -245,6 +245,7 @@ type names struct {
 	ExpiresIndex, LeaseIndex       string // in the table's schema
 	SettledTrigger, DeletedTrigger string // on the table
 	PromptClaim                    string // promptClaim as an SQL interval
+	PointsHead                     string // pointsHead
 	// String literals, set by Migrate.
 	Channel        string
 	ClaimSignature string // Claim with its argument types, for to_regprocedure
@@ -277,6 +278,7 @@ func newNames(table string) names {
 		SettledTrigger: bare("_settled"),
 		DeletedTrigger: bare("_deleted"),
 		PromptClaim:    interval(promptClaim),
+		PointsHead:     pointsHead,
 	}
 }
 
@@ -537,9 +539,17 @@ func (s *Store) RecoveryPoints(ctx context.Context, k idempotency.Key, token uin
 // only while the token owns the record, in flight and not expired; the
 // lease is not judged.
 func pointsSQL(table string) string {
-	return `SELECT points FROM ` + table + ` t WHERE t.scope = $1 AND t.key = $2 AND t.token = $3
+	return `SELECT CASE WHEN substring(points FROM 1 FOR octet_length(` + pointsHead + `)) = ` + pointsHead + `
+			THEN substring(points FROM octet_length(` + pointsHead + `) + 1) ELSE '' END
+		FROM ` + table + ` t WHERE t.scope = $1 AND t.key = $2 AND t.token = $3
 		AND t.state || '' = 'in_progress' AND t.expires_at > now()`
 }
+
+// pointsHead is how the recovery points of row t begin: the length of its
+// operation ID in one byte (an ID is 1 to 255 bytes), then the ID. Points
+// that begin otherwise belong to an earlier record of the key, and count as
+// none.
+const pointsHead = `(set_byte('\x00'::bytea, 0, octet_length(convert_to(t.operation_id, 'UTF8'))) || convert_to(t.operation_id, 'UTF8'))`
 
 // StepTx records result as the result of the step whose function runs in
 // ctx (the context idempotency.Step gives its function) inside the
