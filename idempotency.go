@@ -27,15 +27,18 @@
 //
 // What a user needs: New and Options; Guard.Middleware and MiddlewareOptions
 // for net/http (with SingleTenant, ProblemDetails, StripeErrors); Guard.Do,
-// Key and FingerprintOf for queues, webhooks and jobs; FromContext, Info,
-// DownstreamKey and SetDisposition inside an operation; Transport on the
+// Key and FingerprintOf (or Run, for a typed result) for queues, webhooks
+// and jobs; FromContext, Info, DownstreamKey and SetDisposition inside an
+// operation, and Step for an operation of several steps, which a retry after
+// a crash resumes after the last one that finished; Transport on the
 // calling side; the stores NewRedisStore (production), NewMemoryStore (tests)
 // and, in the postgres package, a PostgreSQL store whose CompleteTx completes
 // inside the application's own transaction; and the errors ErrMismatch,
 // ErrInFlight, ErrUnavailable, ErrFenced and ErrInvalidKey.
 //
 // For store implementers only: Store, Subscription, ClaimRequest, Claim,
-// ClaimState, AbandonedRecord, Stats and CompleteOutside; a store of one's
+// ClaimState, AbandonedRecord, Stats, RecoveryPointStore, CompleteOutside and
+// SaveStepOutside; a store of one's
 // own must pass the conformance suite in package idempotencytest.
 //
 // Every record is identified by a Key (a scope such as an account id, and the
