@@ -73,6 +73,9 @@ type Result struct {
 	// Records counts the records the calls were made on; each is checked
 	// on its own.
 	Records int
+	// StepCalls counts the calls among them that saved or read recovery
+	// points: none unless the store is an idempotency.RecoveryPointStore.
+	StepCalls int
 	// Verdict is porcupine.Ok when the history is linearizable,
 	// porcupine.Illegal when it is not, and porcupine.Unknown when the check
 	// ran out of Options.CheckTimeout.
@@ -90,7 +93,9 @@ type Result struct {
 // owners they renew, complete, release, forget or abandon, or stall past
 // their lease and complete late; while a record is in flight they re-claim
 // it as waiters do. Takeovers, fenced calls and replays follow. A record
-// once completed is replaced by a new key.
+// once completed is replaced by a new key. When store is an
+// idempotency.RecoveryPointStore, owners also save the recovery points of
+// steps, sometimes twice or out of order, and read them, takeovers first.
 //
 // A call that fails with ErrUnavailable may or may not have taken effect, at
 // any time after it started: Check holds it to that and no more, so faults
@@ -117,13 +122,16 @@ func Check(t testing.TB, store idempotency.Store, opts Options) Result {
 		if strings.HasSuffix(a, " unknown") {
 			res.UnknownOutcomes++
 		}
+		if v := op.Input.(input).verb; v == save || v == points {
+			res.StepCalls++
+		}
 	}
 	var tally []string
 	for _, a := range slices.Sorted(maps.Keys(answers)) {
 		tally = append(tally, fmt.Sprintf("%s %d", a, answers[a]))
 	}
-	t.Logf("linearizable: %d calls on %d records, %d of unknown outcome: %s\n(%s)",
-		res.Operations, res.Records, res.UnknownOutcomes, verdict, strings.Join(tally, ", "))
+	t.Logf("linearizable: %d calls on %d records, %d of unknown outcome, %d on recovery points: %s\n(%s)",
+		res.Operations, res.Records, res.UnknownOutcomes, res.StepCalls, verdict, strings.Join(tally, ", "))
 
 	if verdict == porcupine.Ok {
 		return res

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net/url"
 	"regexp"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -25,31 +27,51 @@ import (
 )
 
 // checked requires of a store's history that it was linearizable and long
-// enough to mean something, and reports it.
-func checked(t *testing.T, store string, res linearizable.Result, faults map[string]int) {
+// enough to mean something, recovery points included, and reports it.
+func checked(t *testing.T, name string, store idempotency.Store, res linearizable.Result, faults map[string]int) {
 	t.Helper()
-	report.Add(t, report.Entry{Suite: "linearizable", Store: store, Faults: faults, Operations: res.Operations,
-		Linearizable: string(res.Verdict), Notes: fmt.Sprintf("%d records, %d outcomes unknown", res.Records, res.UnknownOutcomes)})
+	report.Add(t, report.Entry{Suite: "linearizable", Store: name, Faults: faults, Operations: res.Operations,
+		Linearizable: string(res.Verdict), Notes: fmt.Sprintf("%d records, %d outcomes unknown, %d calls on recovery points",
+			res.Records, res.UnknownOutcomes, res.StepCalls)})
 	require.Equal(t, porcupine.Ok, res.Verdict)
 	require.Greater(t, res.Operations, 100)
+	_, ok := store.(idempotency.RecoveryPointStore)
+	require.True(t, ok, "%T keeps no recovery points", store)
+	require.Greater(t, res.StepCalls, 30)
 }
 
 func TestMemoryStore(t *testing.T) {
-	checked(t, "memory", linearizable.Check(t, idempotency.NewMemoryStore(idempotency.MemoryOptions{}), linearizable.Options{}), nil)
+	s := idempotency.NewMemoryStore(idempotency.MemoryOptions{})
+	checked(t, "memory", s, linearizable.Check(t, s, linearizable.Options{}), nil)
 }
 
 func TestRedisStore(t *testing.T) {
-	checked(t, "redis", linearizable.Check(t, redisStore(t, testserver.StartRedis(t).Client()), linearizable.Options{}), nil)
+	s := redisStore(t, testserver.StartRedis(t).Client())
+	checked(t, "redis", s, linearizable.Check(t, s, linearizable.Options{}), nil)
+}
+
+// A Redis Cluster of three masters, whose records spread over every one.
+func TestRedisCluster(t *testing.T) {
+	cl := testserver.StartCluster(t, 3, 0)
+	s := redisStore(t, redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs}))
+	checked(t, "redis-cluster", s, linearizable.Check(t, s, linearizable.Options{Keys: 6}), nil)
 }
 
 func TestPostgresStore(t *testing.T) {
-	pool, err := pgxpool.New(t.Context(), testserver.StartPostgres(t).DSN)
+	s := postgresStore(t, testserver.StartPostgres(t).DSN)
+	checked(t, "postgres", s, linearizable.Check(t, s, linearizable.Options{}), nil)
+}
+
+// postgresStore is a migrated postgres.Store on a pool of dsn, both closed
+// when t ends.
+func postgresStore(t *testing.T, dsn string) *postgres.Store {
+	pool, err := pgxpool.New(t.Context(), dsn)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	s := postgres.New(pool, postgres.Options{})
 	t.Cleanup(s.Close)
 	require.NoError(t, s.Migrate(t.Context()))
-	checked(t, "postgres", linearizable.Check(t, s, linearizable.Options{}), nil)
+	return s
 }
 
 // A redis-server behind a proxy that resets connections (before a request
@@ -71,30 +93,45 @@ func TestPostgresStore(t *testing.T) {
 func TestRedisStoreUnderFaults(t *testing.T) {
 	srv := testserver.StartRedis(t)
 	proxy := faultproxy.Start(t, srv.Addr)
-	store := redisStore(t, redis.NewClient(&redis.Options{Addr: proxy.Addr(), MaxRetries: -1}))
+	underFaults(t, "redis", proxy, 20*time.Millisecond, redisStore(t, redis.NewClient(&redis.Options{Addr: proxy.Addr(), MaxRetries: -1})))
+}
 
+// PostgreSQL behind the same faults, five times rarer: each costs a new
+// connection, and a PostgreSQL connection takes several round trips to
+// make. pgx sends each statement once.
+func TestPostgresStoreUnderFaults(t *testing.T) {
+	dsn, err := url.Parse(testserver.StartPostgres(t).DSN)
+	require.NoError(t, err)
+	proxy := faultproxy.Start(t, dsn.Host)
+	dsn.Host = proxy.Addr()
+	underFaults(t, "postgres", proxy, 100*time.Millisecond, postgresStore(t, dsn.String()))
+}
+
+// underFaults checks store, which reaches its server through proxy, while
+// faults are injected into proxy, one every gap to 5*gap.
+func underFaults(t *testing.T, name string, proxy *faultproxy.Proxy, gap time.Duration, store idempotency.Store) {
 	ctx, stop := context.WithCancel(t.Context())
 	var faults map[string]int
 	var wg sync.WaitGroup
-	wg.Go(func() { faults = inject(ctx, proxy) })
+	wg.Go(func() { faults = inject(ctx, proxy, gap) })
 	res := linearizable.Check(t, store, linearizable.Options{Duration: 3 * time.Second})
 	stop()
 	wg.Wait()
 	t.Logf("faults injected: %v", faults)
-	checked(t, "redis", res, faults)
+	checked(t, name, store, res, faults)
 	require.Positive(t, res.UnknownOutcomes, "no call failed: the faults missed")
 }
 
-// inject puts a fault on p every 20 to 100ms until ctx is done, and counts
+// inject puts a fault on p every gap to 5*gap until ctx is done, and counts
 // them by kind.
-func inject(ctx context.Context, p *faultproxy.Proxy) map[string]int {
+func inject(ctx context.Context, p *faultproxy.Proxy, gap time.Duration) map[string]int {
 	n := map[string]int{}
 	for {
 		select {
 		case <-ctx.Done():
 			p.SetLatency(0)
 			return n
-		case <-time.After(20*time.Millisecond + rand.N(80*time.Millisecond)):
+		case <-time.After(gap + rand.N(4*gap)):
 		}
 		switch rand.N(5) {
 		case 0:
@@ -118,7 +155,7 @@ func inject(ctx context.Context, p *faultproxy.Proxy) map[string]int {
 	}
 }
 
-func redisStore(t *testing.T, c *redis.Client) *idempotency.RedisStore {
+func redisStore(t *testing.T, c redis.UniversalClient) *idempotency.RedisStore {
 	s, err := idempotency.NewRedisStore(c, idempotency.RedisOptions{})
 	require.NoError(t, err)
 	t.Cleanup(func() { s.Close() })
@@ -142,6 +179,13 @@ func TestCheckFailsBrokenStores(t *testing.T) {
 			start := time.Now()
 			return idempotency.NewMemoryStore(idempotency.MemoryOptions{
 				Now: func() time.Time { return start.Add(time.Since(start) / 2) }})
+		}},
+		{"StaleOwnersSave", func() idempotency.Store {
+			return staleSaves{idempotency.NewMemoryStore(idempotency.MemoryOptions{})}
+		}},
+		{"PointsLostOnRelease", func() idempotency.Store {
+			return &releaseDrops{MemoryStore: idempotency.NewMemoryStore(idempotency.MemoryOptions{}),
+				points: map[idempotency.Key][]idempotency.RecoveryPoint{}}
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -181,6 +225,69 @@ func (s fencedCompletes) Complete(ctx context.Context, k idempotency.Key, token 
 		return err
 	}
 	return nil
+}
+
+// staleSaves says it saved a recovery point for a token that does not own
+// the record.
+type staleSaves struct{ *idempotency.MemoryStore }
+
+func (s staleSaves) SaveRecoveryPoint(ctx context.Context, k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
+	if err := s.MemoryStore.SaveRecoveryPoint(ctx, k, token, p); !errors.Is(err, idempotency.ErrFenced) {
+		return err
+	}
+	return nil
+}
+
+// releaseDrops keeps recovery points apart from the records, and drops a
+// record's when it is released, as it should only when the record is
+// completed or forgotten.
+type releaseDrops struct {
+	*idempotency.MemoryStore
+	mu     sync.Mutex
+	points map[idempotency.Key][]idempotency.RecoveryPoint
+}
+
+func (s *releaseDrops) SaveRecoveryPoint(ctx context.Context, k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
+	if err := s.MemoryStore.SaveRecoveryPoint(ctx, k, token, p); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !slices.ContainsFunc(s.points[k], func(q idempotency.RecoveryPoint) bool { return q.Step == p.Step }) {
+		s.points[k] = append(s.points[k], p)
+	}
+	return nil
+}
+
+func (s *releaseDrops) RecoveryPoints(ctx context.Context, k idempotency.Key, token uint64) ([]idempotency.RecoveryPoint, error) {
+	if _, err := s.MemoryStore.RecoveryPoints(ctx, k, token); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.points[k]), nil
+}
+
+func (s *releaseDrops) Complete(ctx context.Context, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
+	return s.drop(k, s.MemoryStore.Complete(ctx, k, token, resp, retention))
+}
+
+func (s *releaseDrops) Forget(ctx context.Context, k idempotency.Key, token uint64) error {
+	return s.drop(k, s.MemoryStore.Forget(ctx, k, token))
+}
+
+func (s *releaseDrops) Release(ctx context.Context, k idempotency.Key, token uint64) error {
+	return s.drop(k, s.MemoryStore.Release(ctx, k, token))
+}
+
+// drop drops k's points when err, a settling call's, is nil.
+func (s *releaseDrops) drop(k idempotency.Key, err error) error {
+	if err == nil {
+		s.mu.Lock()
+		delete(s.points, k)
+		s.mu.Unlock()
+	}
+	return err
 }
 
 // failures is a testing.TB that keeps the failures reported with Errorf

@@ -3,6 +3,8 @@ package linearizable
 import (
 	"fmt"
 	"math"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/anishathalye/porcupine"
@@ -34,6 +36,13 @@ import (
 // effect, with any answer. A claim that may have made an owner whose token
 // no caller learnt leaves token 0, which every owner's call is fenced by.
 //
+// Recovery points. A record in flight or released keeps its recovery points
+// (idempotency.RecoveryPointStore) as one ordered list: a save by the owner
+// appends its point unless the step has one, a read by the owner returns the
+// list, and any other token is fenced. Release, Abandon, renewals and
+// takeovers keep the list; Complete and Forget drop it, and a record made
+// anew has none.
+//
 // Left out: retention (Check uses one that outlasts the history), Watch and
 // Subscribe (wake-ups are a liveness matter), and ListAbandoned, which lists
 // records across keys.
@@ -51,10 +60,12 @@ const (
 	forget
 	heartbeat
 	abandon
+	save   // RecoveryPointStore.SaveRecoveryPoint
+	points // RecoveryPointStore.RecoveryPoints
 )
 
 var verbs = [...]string{claim: "claim", complete: "complete", release: "release",
-	forget: "forget", heartbeat: "heartbeat", abandon: "abandon"}
+	forget: "forget", heartbeat: "heartbeat", abandon: "abandon", save: "save", points: "points"}
 
 func (v verb) String() string { return verbs[v] }
 
@@ -83,6 +94,9 @@ type record struct {
 	// leaseFrom and leaseTo bound the end of the owner's lease.
 	leaseFrom, leaseTo int64
 	resp               string // completed: the stored response, as describe writes it
+	// points is the list of recovery points, in the order saved, as
+	// pointList writes it; empty when completed or absent.
+	points string
 }
 
 // input is one store call.
@@ -97,6 +111,8 @@ type input struct {
 	lease    int64  // claim, heartbeat
 	token    uint64 // the owner's calls
 	resp     string // complete
+	step     string // save: the point's step and result
+	result   string
 }
 
 // output is a call's answer.
@@ -112,6 +128,9 @@ type output struct {
 	abandoned bool
 	resp      string
 	leaseLeft int64
+
+	// A read of the recovery points: the list, as pointList writes it.
+	points string
 }
 
 // step returns the records that r can become through in answered by out;
@@ -131,7 +150,7 @@ func step(r record, in input, out output) []record {
 		})
 	case release:
 		return owned(r, in, out, func(r record) record {
-			return record{phase: released, fp: r.fp, opID: r.opID, attempt: r.attempt, last: r.last}
+			return record{phase: released, fp: r.fp, opID: r.opID, attempt: r.attempt, last: r.last, points: r.points}
 		})
 	case forget:
 		return owned(r, in, out, func(r record) record { return record{last: r.last} })
@@ -145,8 +164,60 @@ func step(r record, in input, out output) []record {
 			r.leaseFrom, r.leaseTo = in.from, in.to
 			return r
 		})
+	case save:
+		return savePoint(r, in, out)
+	case points:
+		owns := r.phase == inFlight && r.token == in.token
+		return unchanged(r, out.unknown || out.fenced && !owns || !out.fenced && owns && out.points == r.points)
 	}
 	return nil
+}
+
+// savePoint is a save by the owner of in.token: it appends its point to the
+// record's list unless the list has one of its step, and changes nothing
+// for any other token, which it is fenced by. ErrFenced to the owner means
+// that the point was saved: a save resent after its reply was lost answers
+// ErrFenced when the record was taken over in between, though its first
+// send saved the point (see the Store contract); a save served while the
+// token owned the record is never fenced.
+func savePoint(r record, in input, out output) []record {
+	owns := r.phase == inFlight && r.token == in.token
+	next := r
+	if owns {
+		next.points = withPoint(r.points, in.step, in.result)
+	}
+	switch {
+	case out.unknown && next != r:
+		return []record{r, next}
+	case out.unknown || out.fenced || owns:
+		return []record{next}
+	}
+	return nil
+}
+
+// pointList writes a list of recovery points as the model keeps it: each
+// step and result quoted, so that no two lists are written alike.
+func pointList(ps []idempotency.RecoveryPoint) string {
+	var b strings.Builder
+	for _, p := range ps {
+		b.WriteString(pointOf(p.Step, string(p.Result)))
+	}
+	return b.String()
+}
+
+func pointOf(step, result string) string {
+	return strconv.Quote(step) + "=" + strconv.Quote(result) + ";"
+}
+
+// withPoint is list with the point of step appended, unless list has a
+// point of step already. A quoted step followed by '=' starts a point: a
+// quoted result holds no unescaped quote.
+func withPoint(list, step, result string) string {
+	at := strconv.Quote(step) + "="
+	if strings.HasPrefix(list, at) || strings.Contains(list, ";"+at) {
+		return list
+	}
+	return list + pointOf(step, result)
 }
 
 // owned is a call by the owner of token: it changes r if token owns the
@@ -202,8 +273,10 @@ func claimStep(r record, in input, out output) []record {
 // own is a claim that makes its caller the owner of attempt, or when its
 // outcome is unknown may have.
 func own(r record, in input, out output, opID string, attempt int, abandoned bool) []record {
+	// A takeover keeps the recovery points; an absent record has none, so
+	// neither has one made anew.
 	n := record{phase: inFlight, fp: in.fp, opID: opID, attempt: attempt, last: r.last,
-		leaseFrom: in.from + in.lease, leaseTo: in.to + in.lease}
+		leaseFrom: in.from + in.lease, leaseTo: in.to + in.lease, points: r.points}
 	switch {
 	case out.unknown:
 		return []record{r, n}
@@ -259,6 +332,8 @@ func describeCall(in input, out output) string {
 		call = fmt.Sprintf("%s claim %c %s lease %v", in.key, in.fp, in.opID, time.Duration(in.lease))
 	case heartbeat:
 		call = fmt.Sprintf("%s heartbeat #%d lease %v", in.key, in.token, time.Duration(in.lease))
+	case save:
+		call = fmt.Sprintf("%s save #%d %s", in.key, in.token, pointOf(in.step, in.result))
 	default:
 		call = fmt.Sprintf("%s %v #%d", in.key, in.verb, in.token)
 	}
@@ -270,6 +345,10 @@ func describeCall(in input, out output) string {
 		answer = fmt.Sprintf("in flight, %v left", time.Duration(out.leaseLeft))
 	case "completed":
 		answer = fmt.Sprintf("completed %s: %s", out.opID, out.resp)
+	case "ok":
+		if in.verb == points {
+			answer = "[" + out.points + "]"
+		}
 	}
 	return call + " → " + answer
 }
@@ -277,10 +356,10 @@ func describeCall(in input, out output) string {
 func describeRecord(r record) string {
 	switch r.phase {
 	case inFlight:
-		return fmt.Sprintf("in flight %c %s #%d attempt %d, lease ends in [%v, %v]",
-			r.fp, r.opID, r.token, r.attempt, time.Duration(r.leaseFrom), time.Duration(r.leaseTo))
+		return fmt.Sprintf("in flight %c %s #%d attempt %d, lease ends in [%v, %v], points [%s]",
+			r.fp, r.opID, r.token, r.attempt, time.Duration(r.leaseFrom), time.Duration(r.leaseTo), r.points)
 	case released:
-		return fmt.Sprintf("released %c %s attempt %d", r.fp, r.opID, r.attempt)
+		return fmt.Sprintf("released %c %s attempt %d, points [%s]", r.fp, r.opID, r.attempt, r.points)
 	case completed:
 		return fmt.Sprintf("completed %c %s: %s", r.fp, r.opID, r.resp)
 	}

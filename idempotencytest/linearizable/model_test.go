@@ -1,6 +1,7 @@
 package linearizable
 
 import (
+	"strconv"
 	"testing"
 	"time"
 
@@ -22,6 +23,26 @@ func claimOf(fp byte, opID string, leaseMS int64) input {
 
 func by(v verb, token uint64) input {
 	return input{verb: v, key: "k", token: token, lease: 100 * int64(time.Millisecond), resp: "201 r"}
+}
+
+// saving is a save of step's point by the owner of token, with a result
+// that names both.
+func saving(token uint64, step string) input {
+	return input{verb: save, key: "k", token: token, step: step, result: step + " by " + strconv.FormatUint(token, 10)}
+}
+
+// read is a read of the points by the owner of token.
+func read(token uint64) input { return input{verb: points, key: "k", token: token} }
+
+// list is the answer of a read that found the points of steps, saved with
+// the tokens paired with them: list(1, "a", 2, "b").
+func list(pairs ...any) output {
+	var ps []idempotency.RecoveryPoint
+	for i := 0; i < len(pairs); i += 2 {
+		token, step := pairs[i].(int), pairs[i+1].(string)
+		ps = append(ps, idempotency.RecoveryPoint{Step: step, Result: []byte(step + " by " + strconv.Itoa(token))})
+	}
+	return output{points: pointList(ps)}
 }
 
 func owner(token uint64, opID string, attempt int, abandoned bool) output {
@@ -134,14 +155,139 @@ func TestModel(t *testing.T) {
 			{20, 21, claimOf('A', "c", 100), owner(4, "a", 1, false)},
 		}, false},
 	} {
-		t.Run(c.name, func(t *testing.T) {
-			h := &history{skew: int64(5 * time.Millisecond)}
-			for i, tc := range c.calls {
-				h.add(i, tc.in, tc.out, tc.call*int64(time.Millisecond), tc.ret*int64(time.Millisecond))
-			}
-			if got := porcupine.CheckOperations(model, h.ops); got != c.linearizable {
-				t.Errorf("linearizable: %t, want %t", got, c.linearizable)
-			}
-		})
+		t.Run(c.name, func(t *testing.T) { checkHistory(t, c.calls, c.linearizable) })
+	}
+}
+
+// TestModelRecoveryPoints checks the model's rules for recovery points on
+// histories made by hand.
+func TestModelRecoveryPoints(t *testing.T) {
+	for _, c := range []struct {
+		name         string
+		calls        []timed
+		linearizable bool
+	}{
+		{"KeptInOrderOnceAStep", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{2, 3, read(1), list()},
+			{10, 11, saving(1, "x"), ok},
+			{20, 21, saving(1, "y"), ok},
+			{30, 31, saving(1, "x"), ok},
+			{40, 41, read(1), list(1, "x", 1, "y")},
+		}, true},
+		{"OrderChanged", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, saving(1, "x"), ok},
+			{20, 21, saving(1, "y"), ok},
+			{40, 41, read(1), list(1, "y", 1, "x")},
+		}, false},
+		{"ASecondSaveOfAStepReplacesIt", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, saving(1, "x"), ok},
+			{20, 21, by(release, 1), ok},
+			{30, 31, claimOf('A', "b", 100), owner(2, "a", 2, false)},
+			{40, 41, saving(2, "x"), ok},
+			{50, 51, read(2), list(2, "x")},
+		}, false},
+		{"KeptThroughReleaseAbandonAndTakeover", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, saving(1, "x"), ok},
+			{20, 21, by(release, 1), ok},
+			{30, 31, claimOf('A', "b", 100), owner(2, "a", 2, false)},
+			{40, 41, saving(2, "y"), ok},
+			{50, 51, by(abandon, 2), ok},
+			{60, 61, claimOf('A', "c", 100), owner(3, "a", 3, true)},
+			{70, 71, read(3), list(1, "x", 2, "y")},
+			{200, 201, claimOf('A', "d", 100), owner(4, "a", 4, true)},
+			{210, 211, read(4), list(1, "x", 2, "y")},
+		}, true},
+		{"LostOnRelease", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, saving(1, "x"), ok},
+			{20, 21, by(release, 1), ok},
+			{30, 31, claimOf('A', "b", 100), owner(2, "a", 2, false)},
+			{40, 41, read(2), list()},
+		}, false},
+		{"SurvivingAForget", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, saving(1, "x"), ok},
+			{20, 21, by(forget, 1), ok},
+			{30, 31, claimOf('A', "b", 100), owner(2, "b", 1, false)},
+			{40, 41, read(2), list(1, "x")},
+		}, false},
+		{"StaleOwnerSaves", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, by(release, 1), ok},
+			{20, 21, claimOf('A', "b", 100), owner(2, "a", 2, false)},
+			{30, 31, saving(1, "x"), ok},
+		}, false},
+		{"StaleOwnerFenced", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, by(release, 1), ok},
+			{20, 21, claimOf('A', "b", 100), owner(2, "a", 2, false)},
+			{30, 31, saving(1, "x"), fenced},
+			{40, 41, read(1), fenced},
+			{50, 51, read(2), list()},
+		}, true},
+		{"StaleOwnerReads", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, by(release, 1), ok},
+			{20, 21, claimOf('A', "b", 100), owner(2, "a", 2, false)},
+			{30, 31, read(1), list()},
+		}, false},
+		{"OwnerFencedFromItsRead", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, read(1), fenced},
+		}, false},
+		{"OwnersFencedSaveWasMade", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, saving(1, "x"), fenced},
+			{20, 21, by(release, 1), ok},
+			{30, 31, claimOf('A', "b", 100), owner(2, "a", 2, false)},
+			{40, 41, read(2), list()},
+		}, false},
+		{"LostSaveMayHaveHappened", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, saving(1, "x"), unknown},
+			{20, 21, read(1), list(1, "x")},
+			{30, 31, saving(1, "y"), unknown},
+			{40, 41, read(1), list(1, "x")},
+		}, true},
+		{"LostSaveLandsOnlyWhileItsOwnerOwns", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, by(release, 1), ok},
+			{20, 21, claimOf('A', "b", 100), owner(2, "a", 2, false)},
+			{30, 31, saving(1, "x"), unknown},
+			{40, 41, read(2), list(1, "x")},
+		}, false},
+		{"FencedOnceCompleted", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, saving(1, "x"), ok},
+			{20, 21, by(complete, 1), ok},
+			{30, 31, saving(1, "y"), fenced},
+			{40, 41, read(1), fenced},
+		}, true},
+		{"LostClaimsOwnerKeepsThePoints", []timed{
+			{0, 1, claimOf('A', "a", 100), owner(1, "a", 1, false)},
+			{10, 11, saving(1, "x"), ok},
+			{20, 21, by(abandon, 1), ok},
+			{30, 31, claimOf('A', "b", 100), unknown},
+			{200, 201, claimOf('A', "c", 100), owner(3, "a", 3, true)},
+			{210, 211, read(3), list(1, "x")},
+		}, true},
+	} {
+		t.Run(c.name, func(t *testing.T) { checkHistory(t, c.calls, c.linearizable) })
+	}
+}
+
+// checkHistory checks calls against the model, with the default skew of 5ms.
+func checkHistory(t *testing.T, calls []timed, linearizable bool) {
+	t.Helper()
+	h := &history{skew: int64(5 * time.Millisecond)}
+	for i, tc := range calls {
+		h.add(i, tc.in, tc.out, tc.call*int64(time.Millisecond), tc.ret*int64(time.Millisecond))
+	}
+	if got := porcupine.CheckOperations(model, h.ops); got != linearizable {
+		t.Errorf("linearizable: %t, want %t", got, linearizable)
 	}
 }

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	mrand "math/rand/v2"
 	"net/http"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -72,8 +74,9 @@ func run(ctx context.Context, store idempotency.Store, opts Options) *history {
 	ks := &keys{scope: "linearizable-" + rand.Text(), gen: make([]int, opts.Keys)}
 	until := h.start.Add(opts.Duration)
 	var wg sync.WaitGroup
+	ps, _ := store.(idempotency.RecoveryPointStore)
 	for id := range opts.Clients {
-		c := &client{id: id, store: store, h: h, keys: ks}
+		c := &client{id: id, store: store, points: ps, h: h, keys: ks}
 		wg.Go(func() {
 			for time.Now().Before(until) && ctx.Err() == nil {
 				c.visit(ctx)
@@ -115,9 +118,11 @@ func (ks *keys) name(slot int) string { return fmt.Sprintf("r%d.%d", slot, ks.ge
 type client struct {
 	id    int
 	store idempotency.Store
-	h     *history
-	keys  *keys
-	calls int // claims made, for operation IDs
+	// points is store as a RecoveryPointStore, or nil when it is none.
+	points idempotency.RecoveryPointStore
+	h      *history
+	keys   *keys
+	calls  int // claims made, for operation IDs
 }
 
 // visit claims a record, and waits or works as its answer says. A claim
@@ -141,22 +146,27 @@ func (c *client) visit(ctx context.Context) {
 	}
 	switch {
 	case out.state == idempotency.Owner:
-		c.own(ctx, k, out.token, out.opID, lease)
+		c.own(ctx, k, out, lease)
 	case out.state == idempotency.Completed:
 		c.keys.completed(k)
 	}
 }
 
-// own runs an owner's attempt: renewals, work, then one of the ways an
-// attempt ends, including a stall past the lease after which the owner
+// own runs the attempt that cl made its caller the owner of: renewals,
+// steps when the store keeps recovery points, work, then one of the ways
+// an attempt ends, including a stall past the lease after which the owner
 // still tries to complete, and now and then a late call with the token
 // after the attempt ended.
-func (c *client) own(ctx context.Context, k idempotency.Key, token uint64, opID string, lease time.Duration) {
+func (c *client) own(ctx context.Context, k idempotency.Key, cl output, lease time.Duration) {
+	token, opID := cl.token, cl.opID
 	for range mrand.N(3) {
 		sleep(ctx, mrand.N(lease*2/3))
 		if out := c.owner(ctx, heartbeat, k, token, opID, lease); out.fenced {
 			return
 		}
+	}
+	if c.points != nil && !c.steps(ctx, k, token, cl.attempt, lease) {
+		return
 	}
 	sleep(ctx, mrand.N(lease/2))
 	switch n := mrand.N(20); {
@@ -170,12 +180,80 @@ func (c *client) own(ctx context.Context, k idempotency.Key, token uint64, opID 
 		c.owner(ctx, abandon, k, token, opID, lease)
 	default:
 		sleep(ctx, lease/2+mrand.N(lease*3/2))
+		if c.points != nil && mrand.N(2) == 0 {
+			c.owner(ctx, save, k, token, opID, lease)
+		}
 		c.owner(ctx, complete, k, token, opID, lease)
 	}
 	if mrand.N(5) == 0 {
 		sleep(ctx, mrand.N(lease))
-		c.owner(ctx, []verb{complete, release, heartbeat}[mrand.N(3)], k, token, opID, lease)
+		late := []verb{complete, release, heartbeat}
+		if c.points != nil {
+			// Half the late calls are on the points, most of them saves,
+			// which a stale owner must never get through.
+			late = append(late, save, save, points)
+		}
+		c.owner(ctx, late[mrand.N(len(late))], k, token, opID, lease)
 	}
+}
+
+// stepNames are the steps of every record's operation, in their order.
+var stepNames = [...]string{"order", "charge", "receipt", "publish"}
+
+// steps saves up to two recovery points as Step would: a takeover reads
+// the points first and goes on after the steps it finds; the point of the
+// next step is saved, now and then twice, as a resent save is, and now and
+// then a step out of order or one saved already. It reports false when
+// the owner was fenced.
+func (c *client) steps(ctx context.Context, k idempotency.Key, token uint64, attempt int, lease time.Duration) bool {
+	next := 0
+	if attempt > 1 || mrand.N(4) == 0 {
+		out := c.step(ctx, points, k, token, "")
+		if out.fenced {
+			return false
+		}
+		for next < len(stepNames) && strings.Contains(out.points, strconv.Quote(stepNames[next])+"=") {
+			next++
+		}
+	}
+	for range mrand.N(3) {
+		sleep(ctx, mrand.N(lease/4))
+		step := stepNames[mrand.N(len(stepNames))]
+		if next < len(stepNames) && mrand.N(4) > 0 {
+			step = stepNames[next]
+			next++
+		}
+		sends := 1
+		if mrand.N(6) == 0 {
+			sends = 2
+		}
+		for range sends {
+			if c.step(ctx, save, k, token, step).fenced {
+				return false
+			}
+		}
+	}
+	if mrand.N(3) == 0 {
+		return !c.step(ctx, points, k, token, "").fenced
+	}
+	return true
+}
+
+// step saves the point of step with token, or reads the points.
+func (c *client) step(ctx context.Context, v verb, k idempotency.Key, token uint64, step string) output {
+	in := input{verb: v, key: k.Name, token: token, step: step}
+	if v == save {
+		// Each owner's result is its own, so that a read names the one the
+		// store kept.
+		in.result = fmt.Sprintf("%s by #%d", step, token)
+	}
+	return c.call(ctx, in, func(ctx context.Context) (output, error) {
+		if v == save {
+			return output{}, c.points.SaveRecoveryPoint(ctx, k, token, idempotency.RecoveryPoint{Step: step, Result: []byte(in.result)})
+		}
+		ps, err := c.points.RecoveryPoints(ctx, k, token)
+		return output{points: pointList(ps)}, err
+	})
 }
 
 func (c *client) claim(ctx context.Context, k idempotency.Key, fp byte, lease time.Duration) output {
@@ -190,8 +268,12 @@ func (c *client) claim(ctx context.Context, k idempotency.Key, fp byte, lease ti
 	})
 }
 
-// owner makes one of the owner's calls, v, with token.
+// owner makes one of the owner's calls, v, with token; a save is of a step
+// picked at random.
 func (c *client) owner(ctx context.Context, v verb, k idempotency.Key, token uint64, opID string, lease time.Duration) output {
+	if v == save || v == points {
+		return c.step(ctx, v, k, token, stepNames[mrand.N(len(stepNames))])
+	}
 	in := input{verb: v, key: k.Name, token: token}
 	var resp idempotency.Response
 	switch v {
