@@ -10,11 +10,15 @@
 // (before and after the server applied a request, pub/sub and LISTEN
 // connections included), drop replies of writes the server applied, limit
 // bandwidth and slice replies, and cut one instance off for longer than a
-// lease. Every run is then checked, with the faults removed, for operations
-// run twice, completions lost or replaced, answers that are neither a
-// stored response nor ErrUnavailable, ErrInFlight or ErrFenced, and
-// duplicates left waiting though their original had finished; each run
-// reports its counts through internal/testkit/report.
+// lease. The operations of every other key are made of steps
+// (idempotency.Step), and the ledger keeps each run of a step, however
+// often it runs. Every run is then checked, with the faults removed, for
+// operations run twice, steps run again once Step had confirmed their
+// recording, completions lost or replaced, results of a step that differ
+// from one answer to the next or that no run of the step returned, answers
+// that are neither a stored response nor ErrUnavailable, ErrInFlight or
+// ErrFenced, and duplicates left waiting though their original had
+// finished; each run reports its counts through internal/testkit/report.
 //
 // It is a module of its own, so that the library's go.mod never requires
 // Toxiproxy.

@@ -47,13 +47,40 @@ type execution struct {
 	overlapped bool
 }
 
-// ledger records every call and every execution of one run.
+// stepRun is one run of a step's function, in an execution of an operation
+// made of steps. Once Step confirmed its recording, by returning nil after
+// running it, no later attempt may run the step again.
+type stepRun struct {
+	id   int
+	exec *execution
+	step string
+	// start is when the function began; finished says it ran to its end
+	// and returned id, its result.
+	start    time.Time
+	finished bool
+	// confirmed is when Step returned nil after running it; zero when
+	// Step failed.
+	confirmed time.Time
+}
+
+// stepAnswer is a result Step returned nil with, whether it ran the
+// step's function or replayed the result recorded: the id of a run.
+type stepAnswer struct {
+	exec   *execution
+	step   string
+	result int
+}
+
+// ledger records every call and every execution of one run, and every run
+// of a step's function: runs are never merged, however often a step runs.
 type ledger struct {
-	mu    sync.Mutex
-	execs []*execution
-	byKey map[string][]*execution
-	calls []*call
-	keys  []string // in the order of their first call
+	mu      sync.Mutex
+	execs   []*execution
+	byKey   map[string][]*execution
+	calls   []*call
+	keys    []string // in the order of their first call
+	runs    []*stepRun
+	answers []stepAnswer
 }
 
 func newLedger() *ledger {
@@ -101,10 +128,39 @@ func (l *ledger) end(e *execution, body string) {
 	e.finished, e.body = body != "", body
 }
 
+// stepBegin records a run of step's function starting now, in e.
+func (l *ledger) stepBegin(e *execution, step string) *stepRun {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	sr := &stepRun{id: len(l.runs), exec: e, step: step, start: time.Now()}
+	l.runs = append(l.runs, sr)
+	return sr
+}
+
+// stepEnd records that sr's function ran to its end.
+func (l *ledger) stepEnd(sr *stepRun) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	sr.finished = true
+}
+
+// stepAnswered records that Step returned nil, with result, for step in e;
+// ran is the run it made, nil when it replayed the recorded result.
+func (l *ledger) stepAnswered(e *execution, step string, result int, ran *stepRun) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if ran != nil {
+		ran.confirmed = time.Now()
+	}
+	l.answers = append(l.answers, stepAnswer{exec: e, step: step, result: result})
+}
+
 // bodyOf is the response body of execution id of key: it names both, so
-// that a replay tells which execution it stores, padded to size bytes.
-func bodyOf(key string, id, size int) string {
-	s := key + "#" + strconv.Itoa(id) + "|"
+// that a replay tells which execution it stores, then the runs whose
+// results its steps answered (refs, as steps writes them), padded to size
+// bytes.
+func bodyOf(key string, id int, refs string, size int) string {
+	s := key + "#" + strconv.Itoa(id) + "|" + refs + "|"
 	return s + strings.Repeat("x", max(0, size-len(s)))
 }
 

@@ -8,7 +8,6 @@ import (
 	"math/rand/v2"
 	"net"
 	"slices"
-	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -112,9 +111,9 @@ func (tg *target) play(t *testing.T, sc scenario) {
 		t.Error(p)
 	}
 	// A run that exercised nothing proves nothing.
-	if tl.answers["executed"] == 0 || tl.dups == 0 || tl.waited == 0 || tl.renewals == 0 {
-		t.Errorf("the load did not exercise the Guard: %d executed, %d duplicates, %d waited, %d renewals",
-			tl.answers["executed"], tl.dups, tl.waited, tl.renewals)
+	if tl.answers["executed"] == 0 || tl.dups == 0 || tl.waited == 0 || tl.renewals == 0 || tl.stepsConfirmed == 0 {
+		t.Errorf("the load did not exercise the Guard: %d executed, %d duplicates, %d waited, %d renewals, %d steps recorded",
+			tl.answers["executed"], tl.dups, tl.waited, tl.renewals, tl.stepsConfirmed)
 	}
 }
 
@@ -162,7 +161,7 @@ func (r *run) pick() (name string, dup bool) {
 	n := len(r.keys)
 	switch p := rand.Float64(); {
 	case n == 0 || p < 0.3:
-		name = "k" + strconv.Itoa(n)
+		name = keyName(n)
 		r.keys = append(r.keys, name)
 		return name, false
 	case p < 0.85:
@@ -183,23 +182,38 @@ func (r *run) do(ctx context.Context, i int, c *call) {
 	k := idempotency.Key{Scope: r.scope, Name: c.key}
 	r.l.called(c)
 	res, err := g.Do(ctx, k, idempotency.FingerprintOf("charge", []byte(c.key)), func(ctx context.Context) (idempotency.Response, error) {
-		info, _ := idempotency.FromContext(ctx)
-		e := r.l.begin(c, info.Attempt, ctx)
-		// Most operations are quick; the long ones renew their lease once
-		// or twice.
-		work := 5*time.Millisecond + rand.N(55*time.Millisecond)
-		if rand.IntN(10) < 3 {
-			work = lease/3 + rand.N(lease/2)
-		}
-		if !sleep(ctx, work) {
-			r.l.end(e, "")
-			return idempotency.Response{}, context.Cause(ctx)
-		}
-		body := bodyOf(c.key, e.id, r.sc.bodySize)
-		r.l.end(e, body)
-		return idempotency.Response{Status: 201, Body: []byte(body)}, nil
+		return r.operate(ctx, c)
 	})
 	r.l.returned(c, res, err)
+}
+
+// operate is an execution of c's operation, recorded in the ledger: work,
+// in steps when c's key names an operation made of steps.
+func (r *run) operate(ctx context.Context, c *call) (idempotency.Response, error) {
+	info, _ := idempotency.FromContext(ctx)
+	e := r.l.begin(c, info.Attempt, ctx)
+	// Most operations are quick; the long ones renew their lease once or
+	// twice.
+	work := 5*time.Millisecond + rand.N(55*time.Millisecond)
+	if rand.IntN(10) < 3 {
+		work = lease/3 + rand.N(lease/2)
+	}
+	var refs string
+	if stepwise(c.key) {
+		var err error
+		if refs, err = r.steps(ctx, e, work/4); err != nil {
+			r.l.end(e, "")
+			return idempotency.Response{}, err
+		}
+		work -= work / 4 * time.Duration(len(stepNames))
+	}
+	if !sleep(ctx, work) {
+		r.l.end(e, "")
+		return idempotency.Response{}, context.Cause(ctx)
+	}
+	body := bodyOf(c.key, e.id, refs, r.sc.bodySize)
+	r.l.end(e, body)
+	return idempotency.Response{Status: 201, Body: []byte(body)}, nil
 }
 
 // verify calls Do once more for every key, directly and with the faults
@@ -231,8 +245,12 @@ type tally struct {
 	executions, takeovers                        int
 	// early counts the duplicates answered ErrInFlight before their
 	// wait timed out: fail closed, but a 409 a client did not need.
-	early                          int
-	doubles, lost, wrong, stranded int
+	early int
+	// The runs of steps' functions, those whose recording Step confirmed,
+	// the results it replayed from an earlier execution, and the runs of
+	// a step after its recording was confirmed (double executions too).
+	stepRuns, stepsConfirmed, stepReplays, stepReruns int
+	doubles, lost, wrong, stranded                    int
 	// answers counts the calls by answer: executed, replayed, or the error.
 	answers         map[string]int
 	worst, worstErr time.Duration // the longest call, and failed call
@@ -244,9 +262,9 @@ func (tl *tally) problem(format string, args ...any) {
 }
 
 func (tl *tally) notes() string {
-	return fmt.Sprintf("executions %d (takeovers %d), waiters %d (early ErrInFlight %d), renewals %d (failed %d), answers %v, wrong answers %d, worst call %v (failed: %v)",
-		tl.executions, tl.takeovers, tl.waited, tl.early, tl.renewals, tl.renewalFailed, tl.answers, tl.wrong,
-		tl.worst.Round(time.Millisecond), tl.worstErr.Round(time.Millisecond))
+	return fmt.Sprintf("executions %d (takeovers %d), step runs %d (recorded %d, replayed %d, run again %d), waiters %d (early ErrInFlight %d), renewals %d (failed %d), answers %v, wrong answers %d, worst call %v (failed: %v)",
+		tl.executions, tl.takeovers, tl.stepRuns, tl.stepsConfirmed, tl.stepReplays, tl.stepReruns, tl.waited, tl.early,
+		tl.renewals, tl.renewalFailed, tl.answers, tl.wrong, tl.worst.Round(time.Millisecond), tl.worstErr.Round(time.Millisecond))
 }
 
 // count counts, from the ledger and the calls made once the faults were
@@ -364,6 +382,7 @@ func (r *run) count() *tally {
 				e.key, e.id, e.attempt, e.start.Sub(s.call.end), s.id)
 		}
 	}
+	l.countSteps(tl, stored)
 	return tl
 }
 
