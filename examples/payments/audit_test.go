@@ -28,7 +28,7 @@ import (
 )
 
 const (
-	// auditOpsEnv sets the charges per crash point (default 12).
+	// auditOpsEnv sets the charges per crash point (default 24).
 	auditOpsEnv       = "PAYMENTS_AUDIT_OPS"
 	auditInstances    = 3
 	auditClients      = 8
@@ -44,8 +44,9 @@ var steps = []string{"order", "charge", "receipt"}
 // repeat. On each store, for each crash point (right after the order,
 // after the charge, after the receipt and before completion), it runs
 // charges on instances that kill themselves with SIGKILL right after every
-// third run of that step, restarts each killed instance, and retries every
-// charge until it is answered 201. Each step's service keeps a row per run
+// third run of that step by a charge's first attempt (the kill also ends the
+// other charges in flight there, wherever they are), restarts each killed
+// instance, and retries every charge until it is answered 201. Each step's service keeps a row per run
 // that nothing de-duplicates (the orders, the gateway's calls, the
 // receipts), so the audit counts what ran: with recovery points every step
 // of every charge ran exactly once, and every retry of a charge replays its
@@ -57,7 +58,7 @@ var steps = []string{"order", "charge", "receipt"}
 //	IDEMPOTENCY_REQUIRE_SERVERS=1 PAYMENTS_AUDIT_OPS=200 go test -count=1 -run TestKillAudit -v ./examples/payments
 func TestKillAudit(t *testing.T) {
 	t.Parallel()
-	ops := 12
+	ops := 24
 	if v := os.Getenv(auditOpsEnv); v != "" {
 		n, err := strconv.Atoi(v)
 		require.NoError(t, err, auditOpsEnv)

@@ -17,17 +17,18 @@ import (
 // recordCharge). Each step runs once per operation (see step): an attempt
 // after a crash resumes after the last step recorded.
 func (a *api) charge(ctx context.Context, req chargeRequest) (idempotency.Response, bool, error) {
-	o, err := step(ctx, a, "order", func(ctx context.Context) (order, error) { return a.placeOrder(ctx, req) })
-	if err != nil {
-		return idempotency.Response{}, false, serviceError{"orders", err}
-	}
 	// The provider's key comes from the operation, not from the client's
 	// key: every attempt at this operation, on any instance, sends the
 	// same one, so a call made again after a crash, before its step was
 	// recorded, gets the original charge back instead of charging twice.
+	// It fails outside an operation, where no step can run either.
 	key, err := idempotency.DownstreamKey(ctx, "gateway")
 	if err != nil {
 		return idempotency.Response{}, false, err
+	}
+	o, err := step(ctx, a, "order", func(ctx context.Context) (order, error) { return a.placeOrder(ctx, req) })
+	if err != nil {
+		return idempotency.Response{}, false, serviceError{"orders", err}
 	}
 	c, err := step(ctx, a, "charge", func(ctx context.Context) (charge, error) { return a.gateway.charge(ctx, key, req) })
 	if err != nil {
@@ -83,7 +84,7 @@ func step[T any](ctx context.Context, a *api, name string, fn func(context.Conte
 	if !a.resume {
 		v, err := fn(ctx)
 		if err == nil {
-			a.crash.after(name)
+			a.crash.after(ctx, name)
 		}
 		return v, err
 	}
@@ -93,7 +94,7 @@ func step[T any](ctx context.Context, a *api, name string, fn func(context.Conte
 		return fn(ctx)
 	})
 	if err == nil && ran {
-		a.crash.after(name)
+		a.crash.after(ctx, name)
 	}
 	return v, err
 }

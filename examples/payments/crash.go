@@ -1,17 +1,22 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"log"
 	"os"
 	"slices"
 	"sync/atomic"
 	"syscall"
+
+	"github.com/idempotency-go/idempotency"
 )
 
 // crasher kills its process with SIGKILL, as a crash would, right after
-// every nth run of one step of a charge in it: how the tests' kill audit
-// (TestKillAudit) crashes instances between two steps of many charges. A
+// every nth run of one step of a charge in it by an operation's first
+// attempt: how the tests' kill audit (TestKillAudit) crashes instances
+// between two steps of many charges. Retries never count, so that however
+// often they meet a crash, the crashes end and every charge is answered. A
 // nil crasher never kills.
 type crasher struct {
 	step  string
@@ -33,10 +38,13 @@ func newCrasher(step string, every int) (*crasher, error) {
 	return &crasher{step: step, every: int64(every)}, nil
 }
 
-// after is called right after step ran and, with recovery points, was
-// recorded.
-func (c *crasher) after(step string) {
-	if c == nil || step != c.step || c.runs.Add(1)%c.every != 0 {
+// after is called right after step ran in the operation in ctx and, with
+// recovery points, was recorded.
+func (c *crasher) after(ctx context.Context, step string) {
+	if c == nil || step != c.step {
+		return
+	}
+	if info, _ := idempotency.FromContext(ctx); info.Attempt > 1 || c.runs.Add(1)%c.every != 0 {
 		return
 	}
 	log.Printf("crash: killed right after step %s", step)

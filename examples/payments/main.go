@@ -96,7 +96,7 @@ func main() {
 	flag.DurationVar(&cfg.sweep, "sweep", 0, "how often to settle abandoned operations no client retries (0: never)")
 	flag.BoolVar(&cfg.resume, "recovery-points", true, "record each step of a charge, so that a retry after a crash resumes after the last one; "+
 		"false: every attempt runs every step, with no recovery hook")
-	flag.StringVar(&cfg.crashAfter, "crash-after", "", "for tests: kill the process (SIGKILL) right after every -crash-every'th run of this `step` (order, charge or receipt)")
+	flag.StringVar(&cfg.crashAfter, "crash-after", "", "for tests: kill the process (SIGKILL) right after every -crash-every'th run of this `step` (order, charge or receipt) by a first attempt")
 	flag.IntVar(&cfg.crashEvery, "crash-every", 4, "see -crash-after")
 	flag.Parse()
 	if err := run(cfg); err != nil {
