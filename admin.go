@@ -76,6 +76,9 @@ type Record struct {
 	Status      int
 	HeaderNames []string
 	BodySize    int
+	// Steps names the steps that a record in flight or released recorded
+	// (see Step), in order; never their results.
+	Steps []string
 }
 
 // Inspector is implemented by a store whose records an operator can look

@@ -268,6 +268,9 @@ func (s *MemoryStore) ListInFlight(_ context.Context, after string, limit int) (
 func (r *memRecord) record(k Key, now time.Time) Record {
 	rec := Record{Key: k, OperationID: r.operationID, Fingerprint: r.fingerprint, Attempt: r.attempt, Token: r.token,
 		ExpiresIn: r.expires.Sub(now), Age: now.Sub(r.created)}
+	for _, p := range r.points {
+		rec.Steps = append(rec.Steps, p.Step)
+	}
 	switch {
 	case r.state == memCompleted:
 		rec.State = RecordCompleted

@@ -136,9 +136,10 @@ func completedClaim(rec string) (Claim, error) {
 	return c, nil
 }
 
-// inspected reads the record of k, its value v with ttl ms to live, at now
-// ms by its server's clock, as Inspector shows it.
-func inspected(k Key, v string, ttl, now int64) (Record, error) {
+// inspected reads the record of k, its value v with ttl ms to live and the
+// entries of its recovery points, at now ms by its server's clock, as
+// Inspector shows it.
+func inspected(k Key, v, points string, ttl, now int64) (Record, error) {
 	r := Record{Key: k, ExpiresIn: time.Duration(ttl) * time.Millisecond}
 	head := recordOperationIDAt
 	if len(v) < head || v[recordOperationIDLenAt] == 0 || len(v) < head+int(v[recordOperationIDLenAt]) {
@@ -167,6 +168,13 @@ func inspected(k Key, v string, ttl, now int64) (Record, error) {
 		return Record{}, fmt.Errorf("unexpected record %q: %w", v, err)
 	}
 	r.Token, r.Attempt = token, attempt
+	ps, err := wire.ParsePoints([]byte(points))
+	if err != nil {
+		return Record{}, err
+	}
+	for _, p := range ps {
+		r.Steps = append(r.Steps, p.Step)
+	}
 	switch {
 	case v[0] == recordReleased:
 		r.State = RecordReleased

@@ -713,18 +713,19 @@ func (s *RedisStore) ListAbandoned(ctx context.Context, limit int) ([]AbandonedR
 
 // Inspect implements Inspector, in one script on the record's slot.
 func (s *RedisStore) Inspect(ctx context.Context, k Key) (Record, error) {
-	rec, _ := s.recordKey(k)
-	v, err := s.scripts.inspect.run(ctx, s.c, append(s.scripts.inspect.args("1", 1), rec)).Slice()
+	ks, _ := s.keysOf(k)
+	v, err := s.scripts.inspect.run(ctx, s.c, append(s.scripts.inspect.args("2", 2), &ks.rec, &ks.points)).Slice()
 	if err != nil {
 		return Record{}, storeerr.Unavailable("inspect", err)
 	}
-	if len(v) != 3 || v[0] == nil {
+	if len(v) != 4 || v[0] == nil {
 		return Record{}, fmt.Errorf("%w of %v", ErrNoRecord, k)
 	}
 	value, _ := v[0].(string)
 	ttl, _ := v[1].(int64)
 	now, _ := v[2].(int64)
-	r, err := inspected(k, value, ttl, now)
+	points, _ := v[3].(string)
+	r, err := inspected(k, value, points, ttl, now)
 	if err != nil {
 		return Record{}, fmt.Errorf("idempotency: the record of %v is not one this version writes: %w", k, err)
 	}
@@ -757,7 +758,7 @@ func (s *RedisStore) ListInFlight(ctx context.Context, after string, limit int) 
 		for b := range s.buckets {
 			// From the cursor's own lease end on, where the records that
 			// share it sit before the cursor's: room for inflightTies.
-			_ = p.Process(ctx, redis.NewCmd(ctx, append(s.scripts.inflight.args("1", 3), s.buckets[b].leases, from, limit+inflightTies)...))
+			_ = p.Process(ctx, redis.NewCmd(ctx, append(s.scripts.inflight.args("1", 4), s.buckets[b].leases, from, limit+inflightTies, pointsSuffix)...))
 		}
 		return nil
 	})
@@ -770,15 +771,16 @@ func (s *RedisStore) ListInFlight(ctx context.Context, after string, limit int) 
 		v, _ := cmd.(*redis.Cmd).Slice()
 		tag := s.bucketTag(uint32(b))
 		now, _ := v[0].(int64)
-		for i := 1; i+2 < len(v); i += 3 {
+		for i := 1; i+3 < len(v); i += 4 {
 			name, _ := v[i].(string)
 			value, _ := v[i+1].(string)
 			ttl, _ := v[i+2].(int64)
+			points, _ := v[i+3].(string)
 			k, ok := parseRecordName(strings.TrimPrefix(name, tag))
 			if !ok || !strings.HasPrefix(name, tag) {
 				return nil, "", storeerr.Unavailable("inflight", fmt.Errorf("unexpected entry %q in %sleases", name, tag))
 			}
-			r, err := inspected(k, value, ttl, now)
+			r, err := inspected(k, value, points, ttl, now)
 			if err != nil {
 				return nil, "", fmt.Errorf("idempotency: the record of %v is not one this version writes: %w", k, err)
 			}

@@ -57,6 +57,9 @@ func recoveryPoints(e *env) {
 		requirePoints(e, req.Key, second.Token, "the next attempt", "order", "charge", "receipt")
 		save(e, req.Key, second.Token, "publish")
 		requirePoints(e, req.Key, second.Token, "the next attempt's own", "order", "charge", "receipt", "publish")
+		requireInspectedSteps(e, req.Key, "order", "charge", "receipt", "publish")
+		e.complete(req.Key, second.Token, idempotency.Response{Status: http.StatusCreated}, "the second owner")
+		requireInspectedSteps(e, req.Key)
 	})
 
 	e.run("StaleOwnerFenced", func(e *env) {
@@ -122,4 +125,32 @@ func recoveryPoints(e *env) {
 		taken = e.own(anew, 2, anew.OperationID, "a takeover of the record made anew")
 		requirePoints(e, anew.Key, taken.Token, "a record made after one expired", []string{}...)
 	})
+}
+
+// requireInspectedSteps requires a store that is an Inspector to show the
+// steps of k's record, by name, in Inspect and, for a record in flight, in
+// ListInFlight.
+func requireInspectedSteps(e *env, k idempotency.Key, steps ...string) {
+	e.t.Helper()
+	in, ok := e.store.(idempotency.Inspector)
+	if !ok {
+		return
+	}
+	r := e.inspect(in, k)
+	require.Equal(e.t, steps, append([]string(nil), r.Steps...), "the steps Inspect shows of a record %v", r.State)
+	if r.State != idempotency.RecordInFlight {
+		return
+	}
+	for after := ""; ; {
+		recs, next, err := in.ListInFlight(e.ctx, after, listAll)
+		require.NoError(e.t, err, "ListInFlight")
+		for _, l := range recs {
+			if l.Key == k {
+				require.Equal(e.t, steps, append([]string(nil), l.Steps...), "the steps ListInFlight shows")
+				return
+			}
+		}
+		require.NotEmpty(e.t, next, "ListInFlight did not list the record in flight")
+		after = next
+	}
 }

@@ -6,8 +6,4 @@ local v, op = owned(KEYS[1], ARGV[1])
 if not v then
   return fenced()
 end
-local p, head = redis.call('GET', KEYS[2]), pointsHead(op)
-if p and string.sub(p, 1, #head) == head then
-  return string.sub(p, #head + 1)
-end
-return ''
+return pointsOf(KEYS[2], op)

@@ -100,6 +100,26 @@ local function pointsHead(op)
   return POINTS .. string.char(#op) .. op
 end
 
+-- pointsOf returns the entries of the recovery points at key pts, when
+-- they are those of the record whose operation ID is op, and '' otherwise.
+local function pointsOf(pts, op)
+  local p, head = redis.call('GET', pts), pointsHead(op)
+  if p and string.sub(p, 1, #head) == head then
+    return string.sub(p, #head + 1)
+  end
+  return ''
+end
+
+-- recordPoints returns the entries of the recovery points at key pts of
+-- the record v, in flight or released, and '' for any other.
+local function recordPoints(v, pts)
+  local op = decode(v)
+  if op and state(v) ~= COMPLETED then
+    return pointsOf(pts, op)
+  end
+  return ''
+end
+
 local function fenced()
   return redis.error_reply('FENCED not the current owner')
 end

@@ -167,9 +167,9 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 				SELECT scope, key FROM ` + t + ` WHERE expires_at <= now() - ` + grace + `
 					AND created_at <= now() - ` + grace + ` LIMIT $1 FOR UPDATE SKIP LOCKED
 			) doomed WHERE t.scope = doomed.scope AND t.key = doomed.key`,
-		inspectSQL: `SELECT ` + inspected + ` FROM ` + t + ` WHERE scope = $1 AND key = $2 AND expires_at > now()`,
+		inspectSQL: `SELECT ` + inspected + ` FROM ` + t + ` t WHERE scope = $1 AND key = $2 AND expires_at > now()`,
 		// On the partial index of the records in flight, from a cursor on.
-		inflightSQL: `SELECT ` + inspected + ` FROM ` + t + `
+		inflightSQL: `SELECT ` + inspected + ` FROM ` + t + ` t
 			WHERE state = 'in_progress' AND expires_at > now() AND (lease_until, scope, key) > ($1, $2, $3)
 			ORDER BY lease_until, scope, key LIMIT $4`,
 		listening: make(chan struct{}),
@@ -182,7 +182,9 @@ const inspected = `scope, key, state, operation_id, fingerprint, attempt, token,
 	(extract(epoch FROM lease_until - now()) * 1000000)::bigint,
 	(extract(epoch FROM expires_at - now()) * 1000000)::bigint,
 	(extract(epoch FROM now() - created_at) * 1000000)::bigint,
-	(extract(epoch FROM lease_until) * 1000000)::bigint`
+	(extract(epoch FROM lease_until) * 1000000)::bigint,
+	CASE WHEN substring(points FROM 1 FOR octet_length(` + pointsHead + `)) = ` + pointsHead + `
+		THEN substring(points FROM octet_length(` + pointsHead + `) + 1) END`
 
 // claimSQL is the claim statement on table: it reads the record, and
 // answers from it what the claim function would (a replay, a mismatch, a
@@ -534,6 +536,16 @@ func (s *Store) RecoveryPoints(ctx context.Context, k idempotency.Key, token uin
 	return out, nil
 }
 
+// stepsOf names the steps of the recovery points' entries b.
+func stepsOf(b []byte) ([]string, error) {
+	ps, err := wire.ParsePoints(b)
+	var steps []string
+	for _, p := range ps {
+		steps = append(steps, p.Step)
+	}
+	return steps, err
+}
+
 // pointsSQL is the owner's read of its record's recovery points on table.
 // It finds the row as the owner's writes do (schema.sql), and, like them,
 // only while the token owns the record, in flight and not expired; the
@@ -731,13 +743,13 @@ func collectInspected(rows pgx.Rows) ([]idempotency.Record, []int64, error) {
 		var (
 			r                        idempotency.Record
 			state                    string
-			fp, response             []byte
+			fp, response, points     []byte
 			token                    int64
 			leftUS, expiresUS, ageUS int64
 			endUS                    int64
 		)
 		err := rows.Scan(&r.Key.Scope, &r.Key.Name, &state, &r.OperationID, &fp, &r.Attempt, &token, &response,
-			&leftUS, &expiresUS, &ageUS, &endUS)
+			&leftUS, &expiresUS, &ageUS, &endUS, &points)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -745,6 +757,9 @@ func collectInspected(rows pgx.Rows) ([]idempotency.Record, []int64, error) {
 			return nil, nil, fmt.Errorf("record %q has a fingerprint of %d bytes", r.Key, len(fp))
 		}
 		r.Fingerprint, r.Token = idempotency.Fingerprint(fp), uint64(token)
+		if r.Steps, err = stepsOf(points); err != nil {
+			return nil, nil, fmt.Errorf("record %q: %w", r.Key, err)
+		}
 		r.ExpiresIn, r.Age = time.Duration(expiresUS)*time.Microsecond, time.Duration(ageUS)*time.Microsecond
 		switch {
 		case state == "completed":

@@ -32,8 +32,9 @@ const usage = `usage: idempotency [flags] COMMAND [ARGS]
 
 Commands:
   inspect SCOPE KEY   show one record: state, attempt, token, lease, expiry,
-                      operation ID, fingerprint, stored status, header names
-                      and body size (never the body)
+                      operation ID, fingerprint, the steps it recorded, stored
+                      status, header names and body size (never the body or
+                      a step's result)
   list                the records in flight, abandoned ones first
                       (-limit, -after for the next page)
   stats               how many records are in flight and abandoned

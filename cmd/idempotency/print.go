@@ -33,13 +33,14 @@ type jsonRecord struct {
 	Status      int      `json:"status,omitempty"`
 	HeaderNames []string `json:"header_names,omitempty"`
 	BodySize    int      `json:"body_size,omitempty"`
+	Steps       []string `json:"steps,omitempty"`
 }
 
 func toJSON(r idempotency.Record) jsonRecord {
 	return jsonRecord{Scope: r.Key.Scope, Key: r.Key.Name, State: r.State.String(), OperationID: r.OperationID,
 		Fingerprint: hex.EncodeToString(r.Fingerprint[:]), Attempt: r.Attempt, Token: r.Token,
 		LeaseLeftMS: r.LeaseLeft.Milliseconds(), ExpiresInMS: r.ExpiresIn.Milliseconds(), AgeMS: r.Age.Milliseconds(),
-		Status: r.Status, HeaderNames: r.HeaderNames, BodySize: r.BodySize}
+		Status: r.Status, HeaderNames: r.HeaderNames, BodySize: r.BodySize, Steps: r.Steps}
 }
 
 func (p printer) record(r idempotency.Record) error {
@@ -67,6 +68,9 @@ func (p printer) record(r idempotency.Record) error {
 		row("headers", strings.Join(r.HeaderNames, ", "))
 		row("body", fmt.Sprintf("%d bytes", r.BodySize))
 	}
+	if len(r.Steps) > 0 {
+		row("steps", strings.Join(r.Steps, ", "))
+	}
 	if r.Age > 0 {
 		row("age", r.Age.Round(time.Second))
 	}
@@ -88,13 +92,14 @@ func (p printer) list(recs []idempotency.Record, next string) error {
 		return nil
 	}
 	w := tabwriter.NewWriter(p.out, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(w, "STATE\tSCOPE\tKEY\tATTEMPT\tLEASE\tOPERATION")
+	fmt.Fprintln(w, "STATE\tSCOPE\tKEY\tATTEMPT\tLEASE\tOPERATION\tSTEPS")
 	for _, r := range recs {
 		lease := "ends in " + r.LeaseLeft.Round(time.Millisecond).String()
 		if r.State == idempotency.RecordAbandoned {
 			lease = "ran out " + (-r.LeaseLeft).Round(time.Millisecond).String() + " ago"
 		}
-		fmt.Fprintf(w, "%s\t%q\t%s\t%d\t%s\t%s\n", r.State, r.Key.Scope, r.Key.Name, r.Attempt, lease, r.OperationID)
+		fmt.Fprintf(w, "%s\t%q\t%s\t%d\t%s\t%s\t%s\n", r.State, r.Key.Scope, r.Key.Name, r.Attempt, lease, r.OperationID,
+			strings.Join(r.Steps, ","))
 	}
 	if err := w.Flush(); err != nil {
 		return err
