@@ -338,7 +338,9 @@ func (g *Guard) within(ctx context.Context, call func(ctx context.Context) error
 
 // write makes a store call for the owner while it holds the lease, with
 // the lease's local end as its deadline. A call the store fences loses the
-// lease: the operation's context is done.
+// lease: the operation's context is done. A call cut off by its context
+// fails with why the lease was lost, if it was, and ErrUnavailable
+// otherwise, as any store failure.
 func (o *owner) write(ctx context.Context, call func(ctx context.Context) error) error {
 	o.mu.Lock()
 	err, deadline := o.usableLocked(), o.deadline
@@ -348,10 +350,17 @@ func (o *owner) write(ctx context.Context, call func(ctx context.Context) error)
 	}
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
-	if err = o.g.within(ctx, call); errors.Is(err, ErrFenced) {
-		o.mu.Lock()
+	err = o.g.within(ctx, call)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	switch {
+	case errors.Is(err, ErrFenced):
 		o.loseLocked(err)
-		o.mu.Unlock()
+	case err == nil || errors.Is(err, ErrUnavailable):
+	case o.lost != nil:
+		err = o.lost
+	default:
+		err = fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}
 	return err
 }

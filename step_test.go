@@ -257,3 +257,23 @@ func TestStepsMoveWithAMigratedRecord(t *testing.T) {
 		assert.Equal(t, 1, l.count("order"), "dual write %v: order runs", dual)
 	}
 }
+
+// silentPoints is a store whose saves of recovery points never answer.
+type silentPoints struct{ *idempotency.MemoryStore }
+
+func (silentPoints) SaveRecoveryPoint(ctx context.Context, _ idempotency.Key, _ uint64, _ idempotency.RecoveryPoint) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// A save that the store does not answer before the lease's local end fails
+// as a store failure does, never with the bare context error.
+func TestStepUnansweredSave(t *testing.T) {
+	g := idempotency.New(silentPoints{idempotency.NewMemoryStore(idempotency.MemoryOptions{})}, idempotency.Options{Lease: 300 * time.Millisecond})
+	_, err := g.Do(t.Context(), idempotency.Key{Name: "silent"}, idempotency.Fingerprint{}, func(ctx context.Context) (idempotency.Response, error) {
+		_, err := idempotency.Step(ctx, "charge", func(context.Context) (string, error) { return "ch_1", nil })
+		return idempotency.Response{}, err
+	})
+	require.Error(t, err)
+	assert.True(t, errors.Is(err, idempotency.ErrUnavailable) || errors.Is(err, idempotency.ErrFenced), "%v", err)
+}
