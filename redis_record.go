@@ -131,8 +131,12 @@ func completedClaim(rec string) (Claim, error) {
 	// strings are cut from it; not the body, which it would keep alive.
 	kept := strings.Clone(rec[head : end+n])
 	c := Claim{State: Completed, OperationID: kept[:end-head]}
-	c.Response.Status, c.Response.Header = wire.ParseHead(kept[end-head:])
-	c.Response.Body = []byte(rec[end+n:])
+	status, header := wire.ParseHead(kept[end-head:])
+	status, body, err := wire.Body(status, []byte(rec[end+n:]))
+	if err != nil {
+		return Claim{}, err
+	}
+	c.Response = Response{Status: status, Header: header, Body: body}
 	return c, nil
 }
 

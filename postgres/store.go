@@ -419,15 +419,9 @@ func (r claimRow) claim() (idempotency.Claim, error) {
 		}
 	case "completed":
 		c.State = idempotency.Completed
-		n, herr := wire.HeadLen(r.response)
-		switch {
-		case herr != nil:
-			err = herr
-		case r.operationID == "":
+		c.Response.Status, c.Response.Header, c.Response.Body, err = wire.ParseResponse(r.response)
+		if err == nil && r.operationID == "" {
 			err = errors.New("completed record of no operation ID")
-		default:
-			c.Response.Status, c.Response.Header = wire.ParseHead(string(r.response[:n]))
-			c.Response.Body = r.response[n:]
 		}
 	case "in_flight":
 		c.State, c.LeaseLeft = idempotency.InFlight, time.Duration(r.leftUS)*time.Microsecond
@@ -763,13 +757,10 @@ func collectInspected(rows pgx.Rows) ([]idempotency.Record, []int64, error) {
 		r.ExpiresIn, r.Age = time.Duration(expiresUS)*time.Microsecond, time.Duration(ageUS)*time.Microsecond
 		switch {
 		case state == "completed":
-			n, err := wire.HeadLen(response)
-			if err != nil {
+			var resp idempotency.Response
+			if resp.Status, resp.Header, resp.Body, err = wire.ParseResponse(response); err != nil {
 				return nil, nil, fmt.Errorf("record %q: %w", r.Key, err)
 			}
-			var resp idempotency.Response
-			resp.Status, resp.Header = wire.ParseHead(string(response[:n]))
-			resp.Body = response[n:]
 			r.State = idempotency.RecordCompleted
 			r.SetResponse(resp)
 		case state == "released":

@@ -5,7 +5,8 @@
 //
 // The form is the status, the number of header fields, each field's name
 // and value (every value of a name, in order), and then the body, which runs
-// to the end. Numbers and lengths are unsigned varints.
+// to the end. Numbers and lengths are unsigned varints. A compressed form
+// (compressed.go) tells itself apart by its status.
 package wire
 
 import (
@@ -58,7 +59,8 @@ func HeadLen[T string | []byte](enc T) (int, error) {
 
 // ParseHead decodes a head that HeadLen found sound. The header's names and
 // values are cut from head, and the values share one array, so that a
-// replay costs few allocations.
+// replay costs few allocations. The status is the form's: Body gives the
+// response's, with its body.
 func ParseHead(head string) (status int, header http.Header) {
 	st, n := uvarint(head)
 	fields, _ := uvarint(head[n:])
@@ -94,7 +96,7 @@ func walk[T string | []byte](enc T, field func(name, value T)) (status, fields, 
 	nf, ok2 := next()
 	// Each field takes at least two bytes, which bounds nf before anything
 	// is allocated for it.
-	if !ok1 || !ok2 || st > maxStatus || nf > uint64(len(enc)-i)/2 {
+	if !ok1 || !ok2 || st > compressedStatus+maxStatus || nf > uint64(len(enc)-i)/2 {
 		return 0, 0, 0, ErrCorrupt
 	}
 	for range nf {

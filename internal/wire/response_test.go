@@ -55,7 +55,7 @@ func TestResponseCorrupt(t *testing.T) {
 	for _, enc := range [][]byte{
 		nil,
 		{0x80},              // a varint that never ends
-		{0xe8, 0x07, 0},     // status 1000
+		{0xd0, 0x0f, 0},     // status 2000, past a compressed form's
 		{200},               // no field count
 		{200, 1},            // a field count and no field
 		{200, 1, 5, 'a'},    // a name shorter than its length
