@@ -1,6 +1,7 @@
 package idempotency
 
 import (
+	"compress/flate"
 	"context"
 	"crypto/sha1"
 	_ "embed"
@@ -121,6 +122,15 @@ type RedisOptions struct {
 	// ReplicaTimeout bounds each wait for Replicas; it must be below the
 	// client's ReadTimeout. Default 1s.
 	ReplicaTimeout time.Duration
+	// CompressAbove, when above 0, stores a response whose body is larger
+	// than that many bytes compressed (DEFLATE, fastest level), when that
+	// makes it smaller: a 10 KiB JSON body takes about a third of its
+	// size, for some tens of microseconds of CPU at completion and at each
+	// replay. Every store of this version reads compressed records, set or
+	// not; an earlier version fails a replay of one with ErrUnavailable
+	// rather than answer wrongly, so set it once every instance runs this
+	// version. Default 0: nothing is compressed.
+	CompressAbove int
 }
 
 // RedisStore keeps records in Redis: standalone or Sentinel (a
@@ -167,6 +177,10 @@ type RedisStore struct {
 
 	replicas       int
 	replicaTimeout time.Duration
+	// compressAbove is RedisOptions.CompressAbove; compressors holds
+	// *flate.Writer values for it to reuse.
+	compressAbove int
+	compressors   sync.Pool
 	// master returns a client of the server holding key, for WAIT: it
 	// covers only the writes made on its own connection.
 	master func(ctx context.Context, key string) (*redis.Client, error)
@@ -212,6 +226,7 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 		},
 		replicas:       o.Replicas,
 		replicaTimeout: o.ReplicaTimeout,
+		compressAbove:  o.CompressAbove,
 		batch:          &batcher{send: sendScripts(c)},
 	}
 	for b := range s.buckets {
@@ -467,10 +482,24 @@ func parseClaim(reply any, id string) (Claim, error) {
 // master keeps it: a retry finds the outcome, unless a failover lost it.
 func (s *RedisStore) Complete(ctx context.Context, k Key, token uint64, resp Response, retention time.Duration) error {
 	ks, bk := s.keysOf(k)
-	body := wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body)
+	body := s.storedForm(resp)
 	args := append(s.scripts.complete.args("3", 7), &ks.rec, &ks.points, bk.leases, strconv.FormatUint(token, 10), body, retention.Milliseconds(), s.publish)
 	cmd, unconfirmed := s.eval(ctx, s.scripts.complete, args, nil)
 	return settled("complete", cmd, unconfirmed)
+}
+
+// storedForm is resp as a completed record keeps it: compressed when its
+// body is over RedisOptions.CompressAbove.
+func (s *RedisStore) storedForm(resp Response) []byte {
+	if s.compressAbove <= 0 || len(resp.Body) <= s.compressAbove {
+		return wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body)
+	}
+	fw, _ := s.compressors.Get().(*flate.Writer)
+	if fw == nil {
+		fw, _ = flate.NewWriter(nil, flate.BestSpeed) // fails only for a bad level
+	}
+	defer s.compressors.Put(fw)
+	return wire.AppendCompressed(nil, resp.Status, resp.Header, resp.Body, fw)
 }
 
 // Release implements Store. With RedisOptions.Replicas set, a release not

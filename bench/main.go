@@ -366,9 +366,9 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error) 
 	} else {
 		// The budget's record first: a 200-byte body under a short key
 		// name; then a UUID for a name, as clients often send, and a
-		// larger body.
-		for _, r := range []struct{ size, name int }{{200, 6}, {200, 36}, {10 << 10, 6}} {
-			m, err := e.recordMemory(ctx, r.size, r.name)
+		// larger body, plain and compressed.
+		for _, r := range []struct{ size, name, compressAbove int }{{200, 6, 0}, {200, 36, 0}, {10 << 10, 6, 0}, {10 << 10, 6, 1024}} {
+			m, err := e.recordMemory(ctx, r.size, r.name, r.compressAbove)
 			if err != nil {
 				return fmt.Errorf("memory of a %d-byte record: %w", r.size, err)
 			}
@@ -739,7 +739,11 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 		fmt.Fprintf(w, "  not measured: %s\n", rep.memSkip)
 	}
 	for _, m := range rep.memory {
-		fmt.Fprintf(w, "  %6d-byte body, %2d-byte key name: %6d bytes, overhead %d bytes\n", m.Body, m.Name, m.Usage, m.Overhead())
+		fmt.Fprintf(w, "  %6d-byte body, %2d-byte key name: %6d bytes, overhead %d bytes", m.Body, m.Name, m.Usage, m.Overhead())
+		if m.CompressAbove > 0 {
+			fmt.Fprintf(w, " (RedisOptions.CompressAbove %d)", m.CompressAbove)
+		}
+		fmt.Fprintln(w)
 	}
 
 	fmt.Fprintln(w, "\nPostgreSQL disk per completed record (pg_total_relation_size over 5000 records after VACUUM, indexes included; 36-byte key names):")

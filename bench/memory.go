@@ -20,9 +20,10 @@ import (
 
 // recordMemory is what Redis holds for one completed record.
 type recordMemory struct {
-	Body  int // response body bytes
-	Name  int // bytes of the record's key name (Key.Name; no Scope)
-	Usage int64
+	Body          int // response body bytes
+	Name          int // bytes of the record's key name (Key.Name; no Scope)
+	CompressAbove int // the store's RedisOptions.CompressAbove
+	Usage         int64
 }
 
 func (m recordMemory) Overhead() int64 { return m.Usage - int64(m.Body) }
@@ -34,11 +35,11 @@ func (m recordMemory) Overhead() int64 { return m.Usage - int64(m.Body) }
 // a default store's while a shared server's keys stay apart: Redis
 // allocates in size classes, and the bench's own run prefix would have put
 // the key one class up.
-func (e *env) recordMemory(ctx context.Context, size, name int) (recordMemory, error) {
+func (e *env) recordMemory(ctx context.Context, size, name, compressAbove int) (recordMemory, error) {
 	var p [2]byte
 	_, _ = crand.Read(p[:])
 	prefix := fmt.Sprintf("%04x:", p)
-	s, err := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{Prefix: prefix})
+	s, err := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{Prefix: prefix, CompressAbove: compressAbove})
 	if err != nil {
 		return recordMemory{}, err
 	}
@@ -63,7 +64,7 @@ func (e *env) recordMemory(ctx context.Context, size, name int) (recordMemory, e
 	if err == nil {
 		err = e.redis.Del(ctx, key).Err()
 	}
-	return recordMemory{Body: size, Name: name, Usage: usage}, err
+	return recordMemory{Body: size, Name: name, CompressAbove: compressAbove, Usage: usage}, err
 }
 
 // findRecord returns the one key that matches, on every master of a cluster.
@@ -204,7 +205,7 @@ func gzipCost(body []byte) ([]compression, error) {
 func writeCapacity(w io.Writer, rep *report) {
 	perRecord := func(ms []recordMemory, body int) int64 {
 		for _, m := range ms {
-			if m.Body == body && (m.Name == 36 || body != 200) {
+			if m.Body == body && (m.Name == 36 || body != 200) && m.CompressAbove == 0 {
 				return m.Usage
 			}
 		}
