@@ -15,8 +15,7 @@ import (
 // maxStatus (ErrCorrupt) rather than replay compressed bytes.
 const compressedStatus = 1000
 
-// maxCompressedBody bounds the body a compressed form may claim to hold, so
-// that a corrupt length cannot make a reader allocate without bound.
+// maxCompressedBody bounds the body a compressed form may claim to hold.
 const maxCompressedBody = 1 << 28
 
 // AppendCompressed appends to b the compressed form of a response,
@@ -49,17 +48,16 @@ func Body(status int, rest []byte) (int, []byte, error) {
 		return 0, nil, ErrCorrupt
 	}
 	// flate reads a bytes.Reader a byte at a time, never past the stream's
-	// end: bytes left after it are no part of the form.
+	// end: bytes left after it are no part of the form. Past 1 MiB, what is
+	// allocated grows with what is decompressed, not with a length that may
+	// be corrupt.
 	z := bytes.NewReader(rest[w:])
-	r := flate.NewReader(z)
-	body := make([]byte, n)
-	if _, err := io.ReadFull(r, body); err != nil {
+	body := bytes.NewBuffer(make([]byte, 0, min(n, 1<<20)))
+	_, err := body.ReadFrom(io.LimitReader(flate.NewReader(z), int64(n)+1))
+	if err != nil || uint64(body.Len()) != n || z.Len() != 0 {
 		return 0, nil, ErrCorrupt
 	}
-	if k, err := r.Read(make([]byte, 1)); k != 0 || err != io.EOF || z.Len() != 0 {
-		return 0, nil, ErrCorrupt
-	}
-	return status - compressedStatus, body, nil
+	return status - compressedStatus, body.Bytes(), nil
 }
 
 // ParseResponse reads a whole form, plain or compressed: HeadLen, ParseHead
