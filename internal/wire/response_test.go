@@ -1,6 +1,8 @@
 package wire
 
 import (
+	"bytes"
+	"compress/flate"
 	"net/http"
 	"testing"
 
@@ -76,6 +78,9 @@ func FuzzResponse(f *testing.F) {
 	f.Add(AppendResponse(nil, 201, http.Header{"Location": {"/v1/x"}, "A": {"1", "2"}}, []byte("body")))
 	f.Add([]byte{200, 0})
 	f.Add([]byte{0x80, 0x80})
+	fw, err := flate.NewWriter(nil, flate.BestSpeed)
+	require.NoError(f, err)
+	f.Add(AppendCompressed(nil, 200, nil, bytes.Repeat([]byte("compressed "), 100), fw))
 	f.Fuzz(func(t *testing.T, enc []byte) {
 		n, err := HeadLen(enc)
 		if err != nil {
@@ -87,6 +92,17 @@ func FuzzResponse(f *testing.F) {
 		require.Equal(t, status, status2)
 		require.Equal(t, h, h2)
 		require.Equal(t, enc[n:], body2)
+		// A compressed form reads back to a body that compresses to a form
+		// that reads back the same, or fails as corrupt.
+		st, body, err := Body(status, enc[n:])
+		if err != nil {
+			require.ErrorIs(t, err, ErrCorrupt)
+			return
+		}
+		require.LessOrEqual(t, st, maxStatus)
+		_, _, body3, err := ParseResponse(AppendCompressed(nil, st, h, body, fw))
+		require.NoError(t, err)
+		require.Equal(t, body, body3)
 	})
 }
 
