@@ -15,10 +15,12 @@ if redis.call('GETRANGE', pts, 0, #head - 1) == head then
 else
   redis.call('SET', pts, head .. ARGV[2])
 end
--- The points expire with the record, and not before: an expiry of 0 would
--- delete them while the record lives out its last millisecond.
+-- The points expire with the record, and not before: PTTL rounds the
+-- record's time to live down to the millisecond, so the points get one
+-- more (points that outlive their record a moment belong to no record made
+-- after it, whose operation ID differs).
 local ttl = redis.call('PTTL', rec)
 if ttl >= 0 then
-  redis.call('PEXPIRE', pts, string.format('%d', math.max(ttl, 1)))
+  redis.call('PEXPIRE', pts, string.format('%d', ttl + 1))
 end
 return 1
