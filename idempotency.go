@@ -116,12 +116,21 @@ func (k Key) Validate() error {
 	if len(k.Name) == 0 || len(k.Name) > MaxKeyLength {
 		return fmt.Errorf("%w: length %d, want 1..%d", ErrInvalidKey, len(k.Name), MaxKeyLength)
 	}
-	for i := 0; i < len(k.Name); i++ {
-		if c := k.Name[i]; c < 0x21 || c > 0x7e {
-			return fmt.Errorf("%w: byte 0x%02x at %d is not visible ASCII", ErrInvalidKey, c, i)
-		}
+	if i := invisible(k.Name); i >= 0 {
+		return fmt.Errorf("%w: byte 0x%02x at %d is not visible ASCII", ErrInvalidKey, k.Name[i], i)
 	}
 	return nil
+}
+
+// invisible returns the index of the first byte of s that is not visible
+// ASCII (0x21-0x7e), the alphabet of keys and step names, or -1.
+func invisible(s string) int {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x21 || c > 0x7e {
+			return i
+		}
+	}
+	return -1
 }
 
 // Response is an operation's outcome as it is stored and replayed. For HTTP it

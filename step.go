@@ -162,10 +162,8 @@ func stepOwner(ctx context.Context, name string) (*owner, error) {
 	if len(name) == 0 || len(name) > MaxStepName {
 		return nil, fmt.Errorf("%w: name of %d bytes, want 1..%d", ErrInvalidStep, len(name), MaxStepName)
 	}
-	for j := 0; j < len(name); j++ {
-		if c := name[j]; c < 0x21 || c > 0x7e {
-			return nil, fmt.Errorf("%w: name %q: byte 0x%02x is not visible ASCII", ErrInvalidStep, name, c)
-		}
+	if j := invisible(name); j >= 0 {
+		return nil, fmt.Errorf("%w: name %q: byte 0x%02x is not visible ASCII", ErrInvalidStep, name, name[j])
 	}
 	return i.owner, nil
 }

@@ -183,8 +183,7 @@ const inspected = `scope, key, state, operation_id, fingerprint, attempt, token,
 	(extract(epoch FROM expires_at - now()) * 1000000)::bigint,
 	(extract(epoch FROM now() - created_at) * 1000000)::bigint,
 	(extract(epoch FROM lease_until) * 1000000)::bigint,
-	CASE WHEN substring(points FROM 1 FOR octet_length(` + pointsHead + `)) = ` + pointsHead + `
-		THEN substring(points FROM octet_length(` + pointsHead + `) + 1) END`
+	` + rowPoints
 
 // claimSQL is the claim statement on table: it reads the record, and
 // answers from it what the claim function would (a replay, a mismatch, a
@@ -525,7 +524,7 @@ func (s *Store) RecoveryPoints(ctx context.Context, k idempotency.Key, token uin
 	}
 	var out []idempotency.RecoveryPoint
 	for _, p := range ps {
-		out = append(out, idempotency.RecoveryPoint{Step: p.Step, Result: p.Result})
+		out = append(out, idempotency.RecoveryPoint(p))
 	}
 	return out, nil
 }
@@ -545,9 +544,7 @@ func stepsOf(b []byte) ([]string, error) {
 // only while the token owns the record, in flight and not expired; the
 // lease is not judged.
 func pointsSQL(table string) string {
-	return `SELECT CASE WHEN substring(points FROM 1 FOR octet_length(` + pointsHead + `)) = ` + pointsHead + `
-			THEN substring(points FROM octet_length(` + pointsHead + `) + 1) ELSE '' END
-		FROM ` + table + ` t WHERE t.scope = $1 AND t.key = $2 AND t.token = $3
+	return `SELECT ` + rowPoints + ` FROM ` + table + ` t WHERE t.scope = $1 AND t.key = $2 AND t.token = $3
 		AND t.state || '' = 'in_progress' AND t.expires_at > now()`
 }
 
@@ -556,6 +553,11 @@ func pointsSQL(table string) string {
 // that begin otherwise belong to an earlier record of the key, and count as
 // none.
 const pointsHead = `(set_byte('\x00'::bytea, 0, octet_length(convert_to(t.operation_id, 'UTF8'))) || convert_to(t.operation_id, 'UTF8'))`
+
+// rowPoints is the entries of row t's recovery points after pointsHead, or
+// NULL when it has none of its own.
+const rowPoints = `CASE WHEN substring(t.points FROM 1 FOR octet_length(` + pointsHead + `)) = ` + pointsHead + `
+	THEN substring(t.points FROM octet_length(` + pointsHead + `) + 1) END`
 
 // StepTx records result as the result of the step whose function runs in
 // ctx (the context idempotency.Step gives its function) inside the
