@@ -327,16 +327,17 @@ func oneLine(err error) string {
 
 // report is everything the program measured.
 type report struct {
-	rows     []*summary
-	runs     int
-	commands map[string]int // sent by one waiting request
-	cmdsSkip string
-	memory   []recordMemory
-	memSkip  string
-	pgBytes  []recordMemory // PostgreSQL's table, indexes included, per record
-	pgSkip   string
-	gzip     []compression
-	gzipBody int
+	rows      []*summary
+	runs      int
+	commands  map[string]int // sent by one waiting request
+	cmdsSkip  string
+	memory    []recordMemory
+	memSkip   string
+	pgBytes   []recordMemory // PostgreSQL's table, indexes included, per record
+	pgSkip    string
+	gzip      []compression
+	gzipBody  int
+	responses []responseSize // the corpus of responses.go, in its order
 }
 
 // row returns the named row if it ran, and did something, in every run.
@@ -368,7 +369,7 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error) 
 		// name; then a UUID for a name, as clients often send, and a
 		// larger body, plain and compressed.
 		for _, r := range []struct{ size, name, compressAbove int }{{200, 6, 0}, {200, 36, 0}, {10 << 10, 6, 0}, {10 << 10, 6, 1024}} {
-			m, err := e.recordMemory(ctx, r.size, r.name, r.compressAbove)
+			m, err := e.recordMemory(ctx, jsonResponse(jsonBody(r.size)), r.name, r.compressAbove)
 			if err != nil {
 				return fmt.Errorf("memory of a %d-byte record: %w", r.size, err)
 			}
@@ -382,11 +383,14 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error) 
 		if e.pgNaive == nil {
 			break
 		}
-		n, err := pgRecordBytes(ctx, e.pgNaive.pool, size, 5000, e.concurrency)
+		n, err := pgRecordBytes(ctx, e.pgNaive.pool, jsonResponse(jsonBody(size)), pgSizeRecords, e.concurrency)
 		if err != nil {
 			return fmt.Errorf("PostgreSQL bytes of a %d-byte record: %w", size, err)
 		}
 		rep.pgBytes = append(rep.pgBytes, recordMemory{Body: size, Name: 36, Usage: n})
+	}
+	if rep.responses, err = e.sizeResponses(ctx); err != nil {
+		return err
 	}
 	body := jsonBody(10 << 10)
 	rep.gzipBody = len(body)
@@ -746,7 +750,7 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 		fmt.Fprintln(w)
 	}
 
-	fmt.Fprintln(w, "\nPostgreSQL disk per completed record (pg_total_relation_size over 5000 records after VACUUM, indexes included; 36-byte key names):")
+	fmt.Fprintf(w, "\nPostgreSQL disk per completed record (pg_total_relation_size over %d records after VACUUM, indexes included; 36-byte key names):\n", pgSizeRecords)
 	if rep.pgSkip != "" {
 		fmt.Fprintf(w, "  not measured: %s\n", rep.pgSkip)
 	}
@@ -754,6 +758,7 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 		fmt.Fprintf(w, "  %6d-byte body: %6d bytes (a body over about 2 KB is compressed by TOAST)\n", m.Body, m.Usage)
 	}
 	writeCapacity(w, rep)
+	writeResponses(w, rep.responses)
 
 	fmt.Fprintf(w, "\nCompressing a %d-byte JSON response body with gzip (one core, writer and reader reused):\n", rep.gzipBody)
 	for _, c := range rep.gzip {

@@ -28,14 +28,13 @@ type recordMemory struct {
 
 func (m recordMemory) Overhead() int64 { return m.Usage - int64(m.Body) }
 
-// recordMemory completes one operation whose response has a JSON body of
-// size bytes, under a key name of name bytes, and returns MEMORY USAGE of
-// its record, which it then deletes. The store's prefix is as long as the
-// default ("idem:"), and unique to the call, so that the key is as long as
-// a default store's while a shared server's keys stay apart: Redis
-// allocates in size classes, and the bench's own run prefix would have put
-// the key one class up.
-func (e *env) recordMemory(ctx context.Context, size, name, compressAbove int) (recordMemory, error) {
+// recordMemory completes one operation whose response is resp, under a key
+// name of name bytes, and returns MEMORY USAGE of its record, which it then
+// deletes. The store's prefix is as long as the default ("idem:"), and
+// unique to the call, so that the key is as long as a default store's while
+// a shared server's keys stay apart: Redis allocates in size classes, and
+// the bench's own run prefix would have put the key one class up.
+func (e *env) recordMemory(ctx context.Context, resp idempotency.Response, name, compressAbove int) (recordMemory, error) {
 	var p [2]byte
 	_, _ = crand.Read(p[:])
 	prefix := fmt.Sprintf("%04x:", p)
@@ -44,11 +43,6 @@ func (e *env) recordMemory(ctx context.Context, size, name, compressAbove int) (
 		return recordMemory{}, err
 	}
 	defer s.Close()
-	resp := idempotency.Response{
-		Status: http.StatusCreated,
-		Header: http.Header{"Content-Type": {"application/json"}},
-		Body:   jsonBody(size),
-	}
 	keyName := strings.Repeat("k", name)
 	_, err = idempotency.New(s, idempotency.Options{}).Do(ctx, idempotency.Key{Name: keyName},
 		fp, func(context.Context) (idempotency.Response, error) { return resp, nil })
@@ -64,7 +58,13 @@ func (e *env) recordMemory(ctx context.Context, size, name, compressAbove int) (
 	if err == nil {
 		err = e.redis.Del(ctx, key).Err()
 	}
-	return recordMemory{Body: size, Name: name, CompressAbove: compressAbove, Usage: usage}, err
+	return recordMemory{Body: len(resp.Body), Name: name, CompressAbove: compressAbove, Usage: usage}, err
+}
+
+// jsonResponse is a 201 Created with body and a JSON Content-Type: the
+// response every fixed-size sizing stores.
+func jsonResponse(body []byte) idempotency.Response {
+	return idempotency.Response{Status: http.StatusCreated, Header: http.Header{"Content-Type": {"application/json"}}, Body: body}
 }
 
 // findRecord returns the one key that matches, on every master of a cluster.

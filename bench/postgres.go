@@ -5,7 +5,6 @@ import (
 	crand "crypto/rand"
 	"errors"
 	"fmt"
-	"net/http"
 	"strings"
 	"time"
 
@@ -93,13 +92,15 @@ func (e *env) pgOneSelectRow(ctx context.Context, prefix string) (timedOp, error
 	return timed(func(ctx context.Context, w, i int) error { return e.pgNaive.replay(ctx, names[pick(w, i)]) }), err
 }
 
-// pgRecordBytes completes records records whose responses have a JSON body
-// of size bytes and a Content-Type header, under 36-byte key names, in a
-// table of their own, and returns the table's size with its indexes and
-// TOAST (pg_total_relation_size) per record, after a VACUUM, which it then
-// drops. The table's fillfactor leaves a fifth of each page free, as the
-// store's does.
-func pgRecordBytes(ctx context.Context, pool *pgxpool.Pool, size, records, concurrency int) (int64, error) {
+// pgSizeRecords is how many records every PostgreSQL sizing averages over.
+const pgSizeRecords = 5000
+
+// pgRecordBytes completes records records whose response is resp, under
+// 36-byte key names, in a table of their own, and returns the table's size
+// with its indexes and TOAST (pg_total_relation_size) per record, after a
+// VACUUM, which it then drops. The table's fillfactor leaves a fifth of
+// each page free, as the store's does.
+func pgRecordBytes(ctx context.Context, pool *pgxpool.Pool, resp idempotency.Response, records, concurrency int) (int64, error) {
 	var p [4]byte
 	_, _ = crand.Read(p[:])
 	table := fmt.Sprintf("bench_size_%x", p)
@@ -110,11 +111,10 @@ func pgRecordBytes(ctx context.Context, pool *pgxpool.Pool, size, records, concu
 	}
 	defer func() {
 		_, _ = pool.Exec(context.WithoutCancel(ctx), "DROP TABLE "+table+" CASCADE")
-		for _, f := range []string{"_claim", "_complete", "_release", "_forget", "_heartbeat", "_wake"} {
+		for _, f := range []string{"_claim", "_complete", "_release", "_forget", "_heartbeat", "_point", "_wake"} {
 			_, _ = pool.Exec(context.WithoutCancel(ctx), "DROP FUNCTION IF EXISTS "+table+f+" CASCADE")
 		}
 	}()
-	resp := idempotency.Response{Status: http.StatusCreated, Header: http.Header{"Content-Type": {"application/json"}}, Body: jsonBody(size)}
 	err := each(ctx, records, concurrency, func(ctx context.Context, n int) error {
 		k := idempotency.Key{Name: fmt.Sprintf("%036d", n)}
 		c, err := s.Claim(ctx, idempotency.ClaimRequest{Key: k, Fingerprint: fp, OperationID: fmt.Sprintf("op_%026d", n),
