@@ -199,9 +199,10 @@ $$;
 -- partial index of records in flight cannot serve: with millions of
 -- completed records its statistics can make that index look nearly empty,
 -- and a plan that walked it would visit every record in flight on each
--- write, not the one row the primary key finds. The Store calls them in one round
--- trip on any connection, unprepared, where the statements inside keep
--- their plans for the session.
+-- write, not the one row the primary key finds. The Store calls each in one
+-- round trip on any connection, as a statement prepared on the connection
+-- (see postgres/prepared.go), and the statement inside keeps its plan for
+-- the session.
 
 -- Complete stores the outcome, and drops the recovery points. In the
 -- caller's transaction (p_in_tx), now() is when the transaction began: the

@@ -20,6 +20,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"sync"
 	"text/template"
@@ -54,18 +55,6 @@ type Options struct {
 	Channel string
 }
 
-// oneRoundTrip runs an owner's write in one round trip on any connection.
-// pgx's default prepares each statement on its first use on a connection, a
-// round trip more, which a slow network can make cost an owner its lease: an
-// owner's calls must fit in it, however fresh the connection. The write is a
-// call of a function (schema.sql), which the server parses and plans in
-// little time, and whose own statement keeps its plan for the session. A
-// claim is not an owner's call yet, and runs in the pool's own query mode: a
-// statement prepared once per connection (pgx's default) spares the server
-// parsing and planning it on every claim, and a pool set up for a
-// transaction-pooling proxy keeps its own mode.
-const oneRoundTrip = pgx.QueryExecModeExec
-
 // promptClaim is the longest a claim may take from its start to its
 // insertion of a new record and keep the token it drew there (see the claim
 // function in schema.sql); DeleteExpired leaves a record twice as long after
@@ -99,9 +88,11 @@ type Store struct {
 	// deadline (see EndsByDeadline).
 	endsByDeadline bool
 	// The table's statements, with its quoted name filled in.
-	claimSQL, completeSQL, completeTxSQL, releaseSQL, forgetSQL, heartbeatSQL string
-	pointSQL, pointTxSQL, pointsSQL                                           string
-	abandonedSQL, statsSQL, deleteSQL, inspectSQL, inflightSQL                string
+	claimSQL                                                   string
+	abandonedSQL, statsSQL, deleteSQL, inspectSQL, inflightSQL string
+	// The owner's statements (see prepared.go).
+	complete, completeTx, release, forget, heartbeat *ownerStatement
+	point, pointTx, points                           *ownerStatement
 
 	mu   sync.Mutex
 	subs wakeup.Registry[string] // by wakeID
@@ -134,21 +125,23 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 	n := newNames(o.Table)
 	t := n.Table
 	// An owner's write: $1, $2 and $3 are the key and the token.
-	owner := func(f string, args string) string { return `SELECT ` + f + `($1, $2, $3` + args + `)` }
+	owner := func(f string, args string, oids ...uint32) *ownerStatement {
+		return newOwnerStatement(`SELECT `+f+`($1, $2, $3`+args+`)`, slices.Concat(ownerKey, oids)...)
+	}
 	grace := interval(2 * promptClaim)
 	return &Store{
 		pool:           pool,
 		opts:           o,
 		endsByDeadline: deadlineHandled(pool),
 		claimSQL:       claimSQL(t, n.Claim),
-		completeSQL:    owner(n.Complete, `, $4, $5, false`),
-		completeTxSQL:  owner(n.Complete, `, $4, $5, true`),
-		releaseSQL:     owner(n.Release, ``),
-		forgetSQL:      owner(n.Forget, ``),
-		heartbeatSQL:   owner(n.Heartbeat, `, $4`),
-		pointSQL:       owner(n.Point, `, $4, false`),
-		pointTxSQL:     owner(n.Point, `, $4, true`),
-		pointsSQL:      pointsSQL(t),
+		complete:       owner(n.Complete, `, $4, $5, false`, pgtype.ByteaOID, pgtype.Int8OID),
+		completeTx:     owner(n.Complete, `, $4, $5, true`, pgtype.ByteaOID, pgtype.Int8OID),
+		release:        owner(n.Release, ``),
+		forget:         owner(n.Forget, ``),
+		heartbeat:      owner(n.Heartbeat, `, $4`, pgtype.Int8OID),
+		point:          owner(n.Point, `, $4, false`, pgtype.ByteaOID),
+		pointTx:        owner(n.Point, `, $4, true`, pgtype.ByteaOID),
+		points:         newOwnerStatement(pointsSQL(t), ownerKey...),
 		// The partial index on lease_until holds the records in flight only,
 		// so the scan's cost follows them, not every record kept. Records
 		// past retention still in it (until DeleteExpired) are filtered out.
@@ -442,7 +435,7 @@ func (r claimRow) claim() (idempotency.Claim, error) {
 
 // Complete implements idempotency.Store.
 func (s *Store) Complete(ctx context.Context, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
-	return s.complete(ctx, s.pool, s.completeSQL, k, token, resp, retention)
+	return s.completeRecord(ctx, s.onPool, s.complete, k, token, resp, retention)
 }
 
 // CompleteTx stores resp as the outcome of the operation in ctx (the
@@ -475,43 +468,45 @@ func (s *Store) Complete(ctx context.Context, k idempotency.Key, token uint64, r
 // can outlast it.
 func (s *Store) CompleteTx(ctx context.Context, tx pgx.Tx, resp idempotency.Response) error {
 	return idempotency.CompleteOutside(ctx, s, resp, func(k idempotency.Key, token uint64, retention time.Duration) error {
-		return s.complete(ctx, tx, s.completeTxSQL, k, token, resp, retention)
+		return s.completeRecord(ctx, inTx(tx), s.completeTx, k, token, resp, retention)
 	})
 }
 
 // Release implements idempotency.Store.
 func (s *Store) Release(ctx context.Context, k idempotency.Key, token uint64) error {
-	return s.ownerWrite(ctx, s.pool, "release", s.releaseSQL, k, token)
+	return s.ownerWrite(ctx, s.onPool, "release", s.release, k, token)
 }
 
 // Forget implements idempotency.Store.
 func (s *Store) Forget(ctx context.Context, k idempotency.Key, token uint64) error {
-	return s.ownerWrite(ctx, s.pool, "forget", s.forgetSQL, k, token)
+	return s.ownerWrite(ctx, s.onPool, "forget", s.forget, k, token)
 }
 
 // Heartbeat implements idempotency.Store.
 func (s *Store) Heartbeat(ctx context.Context, k idempotency.Key, token uint64, lease time.Duration) error {
-	return s.ownerWrite(ctx, s.pool, "heartbeat", s.heartbeatSQL, k, token, lease.Microseconds())
+	return s.ownerWrite(ctx, s.onPool, "heartbeat", s.heartbeat, k, token, lease.Microseconds())
 }
 
 // Abandon implements idempotency.Store: the lease's end becomes the
 // database's now(), which no later claim's now() precedes, so the next claim
 // takes the record over as abandoned.
 func (s *Store) Abandon(ctx context.Context, k idempotency.Key, token uint64) error {
-	return s.ownerWrite(ctx, s.pool, "abandon", s.heartbeatSQL, k, token, int64(0))
+	return s.ownerWrite(ctx, s.onPool, "abandon", s.heartbeat, k, token, int64(0))
 }
 
 // SaveRecoveryPoint implements idempotency.RecoveryPointStore, in one round
 // trip: the point function (schema.sql) appends p's entry to the record's.
 func (s *Store) SaveRecoveryPoint(ctx context.Context, k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
-	return s.savePoint(ctx, s.pool, s.pointSQL, k, token, p)
+	return s.savePoint(ctx, s.onPool, s.point, k, token, p)
 }
 
 // RecoveryPoints implements idempotency.RecoveryPointStore, in one round
 // trip.
 func (s *Store) RecoveryPoints(ctx context.Context, k idempotency.Key, token uint64) ([]idempotency.RecoveryPoint, error) {
 	var b []byte
-	err := s.pool.QueryRow(ctx, s.pointsSQL, oneRoundTrip, k.Scope, k.Name, int64(token)).Scan(&b)
+	err := s.onPool(ctx, func(c *pgx.Conn) error {
+		return s.points.queryRow(ctx, c, []any{k.Scope, k.Name, int64(token)}, &b)
+	})
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return nil, storeerr.Fenced("postgres recovery points")
@@ -589,7 +584,7 @@ const rowPoints = `CASE WHEN substring(t.points FROM 1 FOR octet_length(` + poin
 // for about two thirds of the lease can outlast it.
 func (s *Store) StepTx(ctx context.Context, tx pgx.Tx, result any) error {
 	return idempotency.SaveStepOutside(ctx, s, result, func(k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
-		return s.savePoint(ctx, tx, s.pointTxSQL, k, token, p)
+		return s.savePoint(ctx, inTx(tx), s.pointTx, k, token, p)
 	})
 }
 
@@ -651,27 +646,37 @@ func (s *Store) DeleteExpired(ctx context.Context) (int64, error) {
 	}
 }
 
-func (s *Store) complete(ctx context.Context, q querier, sql string, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
+func (s *Store) completeRecord(ctx context.Context, on onConn, st *ownerStatement, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
 	b := wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body)
-	return s.ownerWrite(ctx, q, "complete", sql, k, token, b, retention.Microseconds())
+	return s.ownerWrite(ctx, on, "complete", st, k, token, b, retention.Microseconds())
 }
 
-func (s *Store) savePoint(ctx context.Context, q querier, sql string, k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
-	return s.ownerWrite(ctx, q, "save recovery point", sql, k, token, wire.AppendPoint(nil, p.Step, p.Result))
+func (s *Store) savePoint(ctx context.Context, on onConn, st *ownerStatement, k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
+	return s.ownerWrite(ctx, on, "save recovery point", st, k, token, wire.AppendPoint(nil, p.Step, p.Result))
 }
 
-// querier runs a statement on a pool or in a transaction.
-type querier interface {
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+// onConn runs f with a connection: one of the pool's, or a transaction's.
+type onConn func(ctx context.Context, f func(*pgx.Conn) error) error
+
+// onPool is onConn on a connection of the pool, held for f.
+func (s *Store) onPool(ctx context.Context, f func(*pgx.Conn) error) error {
+	return s.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error { return f(c.Conn()) })
+}
+
+// inTx is onConn on tx's connection.
+func inTx(tx pgx.Tx) onConn {
+	return func(_ context.Context, f func(*pgx.Conn) error) error { return f(tx.Conn()) }
 }
 
 // ownerWrite runs an owner's write, which changes the record only if token
 // owns it: ErrFenced when it changed nothing, ErrUnavailable when it failed.
-func (s *Store) ownerWrite(ctx context.Context, q querier, op, sql string, k idempotency.Key, token uint64, args ...any) error {
+func (s *Store) ownerWrite(ctx context.Context, on onConn, op string, st *ownerStatement, k idempotency.Key, token uint64, args ...any) error {
 	// The sequence issues tokens from 1 up to MaxInt64: a token beyond it
 	// turns negative here, matches no row, and so is fenced off.
 	var changed bool
-	err := q.QueryRow(ctx, sql, append([]any{oneRoundTrip, k.Scope, k.Name, int64(token)}, args...)...).Scan(&changed)
+	err := on(ctx, func(c *pgx.Conn) error {
+		return st.queryRow(ctx, c, append([]any{k.Scope, k.Name, int64(token)}, args...), &changed)
+	})
 	if err != nil {
 		return storeerr.Unavailable("postgres "+op, err)
 	}

@@ -76,6 +76,9 @@ func TestStore(t *testing.T) {
 		{"TakeoverWaitsOutRelease", testTakeoverWaitsOutRelease},
 		{"AbandonedCorruptFingerprint", testAbandonedCorruptFingerprint},
 		{"ErrorsAreUnavailable", testErrorsAreUnavailable},
+		{"OwnerWritesPrepared", testOwnerWritesPrepared},
+		{"OwnerWriteInTxLostStatement", testOwnerWriteInTxLostStatement},
+		{"SimpleProtocolPool", testSimpleProtocolPool},
 		{"CorruptRows", testCorruptRows},
 		{"Stats", func(t *testing.T, f *fixture) {
 			s, _ := f.store(t)
@@ -102,8 +105,13 @@ type fixture struct {
 
 // store returns a migrated Store on a table and channel of its own.
 func (f *fixture) store(t *testing.T) (*postgres.Store, postgres.Options) {
+	return f.storeOn(t, f.pool)
+}
+
+// storeOn is store on pool.
+func (f *fixture) storeOn(t *testing.T, pool *pgxpool.Pool) (*postgres.Store, postgres.Options) {
 	o := f.options()
-	s := postgres.New(f.pool, o)
+	s := postgres.New(pool, o)
 	require.NoError(t, s.Migrate(t.Context()))
 	t.Cleanup(s.Close)
 	return s, o

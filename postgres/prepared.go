@@ -1,0 +1,152 @@
+package postgres
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// An owner's write is one round trip on any connection, as the lease needs,
+// and runs a prepared statement, which spares the server parsing and
+// planning it on every call: on a connection that has not prepared it yet,
+// the statement is prepared and executed in one pipeline. A pool whose
+// query mode is not pgx's default (a pool set up for a transaction-pooling
+// proxy, which may not keep prepared statements) has the statement sent
+// unprepared instead, also in one round trip.
+
+// ownerStatement is an owner's statement of one Store, with its parameters'
+// types in order.
+type ownerStatement struct {
+	sql  string
+	name string // the prepared statement's name, from sql
+	oids []uint32
+}
+
+// newOwnerStatement returns sql as an owner's statement taking parameters
+// of the types oids.
+func newOwnerStatement(sql string, oids ...uint32) *ownerStatement {
+	sum := sha256.Sum256([]byte(sql))
+	return &ownerStatement{sql: sql, name: "idempotency_" + hex.EncodeToString(sum[:12]), oids: oids}
+}
+
+// errNotPrepared is the SQLSTATE of a prepared statement the connection
+// does not have: its execution was refused before it ran.
+const errNotPrepared = "26000"
+
+// queryRow runs st with args on conn, whose caller holds it, and scans its
+// one row's columns into dest.
+func (st *ownerStatement) queryRow(ctx context.Context, conn *pgx.Conn, args []any, dest ...any) error {
+	if conn.Config().DefaultQueryExecMode != pgx.QueryExecModeCacheStatement {
+		return conn.QueryRow(ctx, st.sql, append([]any{pgx.QueryExecModeExec}, args...)...).Scan(dest...)
+	}
+	params, err := st.encode(conn.TypeMap(), args)
+	if err != nil {
+		return err
+	}
+	pc := conn.PgConn()
+	if sd, ok := pc.CustomData()[st.name].(*pgconn.StatementDescription); ok {
+		res := pc.ExecStatement(ctx, sd, params, binaryFormat, binaryFormat).Read()
+		var pgErr *pgconn.PgError
+		if !errors.As(res.Err, &pgErr) || pgErr.Code != errNotPrepared || pc.TxStatus() != 'I' {
+			return scanOne(conn.TypeMap(), res, dest)
+		}
+		// The statement was deallocated behind the Store's back (DISCARD
+		// ALL, say), outside a transaction, and nothing ran: prepare it
+		// again.
+		delete(pc.CustomData(), st.name)
+	}
+	return scanOne(conn.TypeMap(), st.prepareAndExecute(ctx, pc, params), dest)
+}
+
+// encode encodes args in binary, each as its parameter's type.
+func (st *ownerStatement) encode(m *pgtype.Map, args []any) ([][]byte, error) {
+	if len(args) != len(st.oids) {
+		return nil, fmt.Errorf("%d arguments for %d parameters", len(args), len(st.oids))
+	}
+	params := make([][]byte, len(args))
+	for i, a := range args {
+		// A buffer that is not nil: an empty value (the empty scope) comes
+		// back empty, not nil, which would send NULL.
+		b, err := m.Encode(st.oids[i], pgtype.BinaryFormatCode, a, []byte{})
+		if err != nil {
+			return nil, fmt.Errorf("parameter %d: %w", i+1, err)
+		}
+		params[i] = b
+	}
+	return params, nil
+}
+
+var binaryFormat = []int16{pgtype.BinaryFormatCode}
+
+// prepareAndExecute prepares st on pc and runs it, in one round trip, and
+// keeps the prepared statement's description on pc for the next calls.
+func (st *ownerStatement) prepareAndExecute(ctx context.Context, pc *pgconn.PgConn, params [][]byte) *pgconn.Result {
+	p := pc.StartPipeline(ctx)
+	p.SendPrepare(st.name, st.sql, st.oids)
+	p.SendQueryPrepared(st.name, params, binaryFormat, binaryFormat)
+	res := &pgconn.Result{Err: p.Sync()}
+	if res.Err == nil {
+		res = st.pipelineResult(pc, p)
+	}
+	if err := p.Close(); err != nil && res.Err == nil {
+		res.Err = err
+	}
+	return res
+}
+
+// pipelineResult reads the answers to prepareAndExecute's pipeline p on pc
+// up to its sync.
+func (st *ownerStatement) pipelineResult(pc *pgconn.PgConn, p *pgconn.Pipeline) *pgconn.Result {
+	r, err := p.GetResults()
+	if err != nil {
+		return &pgconn.Result{Err: err}
+	}
+	if sd, ok := r.(*pgconn.StatementDescription); ok {
+		sd.Name, sd.SQL = st.name, st.sql // a pipeline's description names neither
+		pc.CustomData()[st.name] = sd
+	}
+	if r, err = p.GetResults(); err != nil {
+		return &pgconn.Result{Err: err}
+	}
+	rr, ok := r.(*pgconn.ResultReader)
+	if !ok {
+		return &pgconn.Result{Err: fmt.Errorf("the pipeline answered %T, not rows", r)}
+	}
+	res := rr.Read()
+	if res.Err == nil {
+		_, res.Err = p.GetResults() // the sync
+	}
+	return res
+}
+
+// scanOne scans res's one row, in binary, into dest: pgx.ErrNoRows when it
+// has none.
+func scanOne(m *pgtype.Map, res *pgconn.Result, dest []any) error {
+	switch {
+	case res.Err != nil:
+		return res.Err
+	case len(res.Rows) == 0:
+		return pgx.ErrNoRows
+	case len(res.Rows) != 1:
+		return fmt.Errorf("%d rows where one was due", len(res.Rows))
+	case len(res.Rows[0]) != len(dest) || len(res.FieldDescriptions) != len(dest):
+		return fmt.Errorf("%d columns where %d were due", len(res.Rows[0]), len(dest))
+	}
+	for i, d := range dest {
+		err := m.Scan(res.FieldDescriptions[i].DataTypeOID, pgtype.BinaryFormatCode, res.Rows[0][i], d)
+		if err != nil {
+			return fmt.Errorf("column %d: %w", i+1, err)
+		}
+	}
+	return nil
+}
+
+// ownerKey is the types of the parameters every owner's statement begins
+// with: the key's scope and name, and the token.
+var ownerKey = []uint32{pgtype.TextOID, pgtype.TextOID, pgtype.Int8OID}
