@@ -49,7 +49,9 @@ func miniredisHarness(t *testing.T) idempotencytest.Harness {
 	m := miniredis.RunT(t)
 	now := time.Date(2030, time.January, 1, 0, 0, 0, 0, time.UTC)
 	m.SetTime(now)
-	s := redisStore(t, redis.NewClient(&redis.Options{Addr: m.Addr()}))
+	// Under the race detector on a loaded machine, one of miniredis's
+	// scripts can take longer than go-redis's default 3 s read timeout.
+	s := redisStore(t, redis.NewClient(&redis.Options{Addr: m.Addr(), ReadTimeout: time.Minute, WriteTimeout: time.Minute}))
 	return idempotencytest.Harness{Store: s, Advance: func(d time.Duration) {
 		now = now.Add(d)
 		m.SetTime(now)
