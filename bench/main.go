@@ -69,6 +69,7 @@ type config struct {
 	cpuprofile  string
 	replicas    int
 	scale       []int // record counts of the scale mode (scale.go), 0 first; nil: the rows
+	sizeRecords int   // records each PostgreSQL sizing averages over
 }
 
 func main() {
@@ -80,6 +81,7 @@ func main() {
 	flag.DurationVar(&cfg.duration, "duration", time.Second, "measuring time of one run of one row")
 	flag.IntVar(&cfg.runs, "runs", 3, "runs of every row, `N`: a row's figures are the medians over its runs")
 	flag.IntVar(&cfg.concurrency, "concurrency", 50, "concurrent operations per row")
+	flag.IntVar(&cfg.sizeRecords, "size-records", 5000, "records each PostgreSQL sizing averages over, `N`")
 	flag.BoolVar(&cfg.json, "json", false, "print one JSON object per row on stdout; the rest goes to stderr")
 	flag.StringVar(&rows, "rows", "", "run only the rows whose name matches this `regexp`")
 	flag.StringVar(&cfg.cpuprofile, "cpuprofile", "", "write a CPU profile of the rows to `file`")
@@ -92,8 +94,8 @@ func main() {
 		fmt.Fprintln(os.Stderr, "bench: -rows:", err)
 		os.Exit(2)
 	}
-	if cfg.concurrency < 1 || cfg.duration <= 0 || cfg.runs < 1 {
-		fmt.Fprintln(os.Stderr, "bench: -concurrency, -duration and -runs must be positive")
+	if cfg.concurrency < 1 || cfg.duration <= 0 || cfg.runs < 1 || cfg.sizeRecords < 1 {
+		fmt.Fprintln(os.Stderr, "bench: -concurrency, -duration, -runs and -size-records must be positive")
 		os.Exit(2)
 	}
 	if cfg.replicas < 0 || cfg.replicas > 0 && cfg.redisAddr == "" && cfg.cluster == "" {
@@ -383,13 +385,13 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (err error) 
 		if e.pgNaive == nil {
 			break
 		}
-		n, err := pgRecordBytes(ctx, e.pgNaive.pool, jsonResponse(jsonBody(size)), pgSizeRecords, e.concurrency)
+		n, err := pgRecordBytes(ctx, e.pgNaive.pool, jsonResponse(jsonBody(size)), cfg.sizeRecords, e.concurrency)
 		if err != nil {
 			return fmt.Errorf("PostgreSQL bytes of a %d-byte record: %w", size, err)
 		}
 		rep.pgBytes = append(rep.pgBytes, recordMemory{Body: size, Name: 36, Usage: n})
 	}
-	if rep.responses, err = e.sizeResponses(ctx); err != nil {
+	if rep.responses, err = e.sizeResponses(ctx, cfg.sizeRecords); err != nil {
 		return err
 	}
 	body := jsonBody(10 << 10)
@@ -750,7 +752,7 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 		fmt.Fprintln(w)
 	}
 
-	fmt.Fprintf(w, "\nPostgreSQL disk per completed record (pg_total_relation_size over %d records after VACUUM, indexes included; 36-byte key names):\n", pgSizeRecords)
+	fmt.Fprintf(w, "\nPostgreSQL disk per completed record (pg_total_relation_size over %d records after VACUUM, indexes included; 36-byte key names):\n", cfg.sizeRecords)
 	if rep.pgSkip != "" {
 		fmt.Fprintf(w, "  not measured: %s\n", rep.pgSkip)
 	}
@@ -758,7 +760,7 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 		fmt.Fprintf(w, "  %6d-byte body: %6d bytes (a body over about 2 KB is compressed by TOAST)\n", m.Body, m.Usage)
 	}
 	writeCapacity(w, rep)
-	writeResponses(w, rep.responses)
+	writeResponses(w, rep.responses, cfg.sizeRecords)
 
 	fmt.Fprintf(w, "\nCompressing a %d-byte JSON response body with gzip (one core, writer and reader reused):\n", rep.gzipBody)
 	for _, c := range rep.gzip {

@@ -74,7 +74,7 @@ func TestRun(t *testing.T) {
 	require.NoError(t, mine.Set(context.Background(), "not-the-bench's", "kept", 0).Err())
 	var stdout, stderr bytes.Buffer
 	cfg := config{redisAddr: redisSrv.Addr, postgresDSN: pg.DSN, duration: 50 * time.Millisecond, runs: 2,
-		concurrency: 4, json: true, rows: regexp.MustCompile("")}
+		concurrency: 4, json: true, rows: regexp.MustCompile(""), sizeRecords: 200}
 	require.NoError(t, run(context.Background(), cfg, &stdout, &stderr))
 
 	var names []string
@@ -158,7 +158,7 @@ func TestRunEmbedded(t *testing.T) {
 	t.Setenv("PATH", t.TempDir()) // no redis-server to start
 	var stdout, stderr bytes.Buffer
 	cfg := config{postgresDSN: "postgres://postgres@127.0.0.1:1/none?connect_timeout=5", duration: 50 * time.Millisecond, runs: 2,
-		concurrency: 4, rows: regexp.MustCompile("baseline/one|redis/replay|redis/wake-up|postgres/new|memory/new")}
+		concurrency: 4, sizeRecords: 200, rows: regexp.MustCompile("baseline/one|redis/replay|redis/wake-up|postgres/new|memory/new")}
 	require.NoError(t, run(context.Background(), cfg, &stdout, &stderr))
 
 	assert.Contains(t, stderr.String(), "WARNING: measuring an embedded miniredis")

@@ -92,9 +92,6 @@ func (e *env) pgOneSelectRow(ctx context.Context, prefix string) (timedOp, error
 	return timed(func(ctx context.Context, w, i int) error { return e.pgNaive.replay(ctx, names[pick(w, i)]) }), err
 }
 
-// pgSizeRecords is how many records every PostgreSQL sizing averages over.
-const pgSizeRecords = 5000
-
 // pgRecordBytes completes records records whose response is resp, under
 // 36-byte key names, in a table of their own, and returns the table's size
 // with its indexes and TOAST (pg_total_relation_size) per record, after a

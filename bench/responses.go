@@ -81,12 +81,12 @@ type responseSize struct {
 	Gzip            int   // bytes of the body gzipped at the fastest level; 0 for an empty body
 	Redis           int64 // MEMORY USAGE
 	RedisCompressed int64 // MEMORY USAGE with RedisOptions.CompressAbove corpusCompressAbove
-	Postgres        int64 // pg_total_relation_size per record, over pgSizeRecords records
+	Postgres        int64 // pg_total_relation_size per record
 }
 
 // sizeResponses measures every response of the corpus: in Redis unless it
-// is miniredis, in PostgreSQL when it runs.
-func (e *env) sizeResponses(ctx context.Context) ([]responseSize, error) {
+// is miniredis, in PostgreSQL over records records when it runs.
+func (e *env) sizeResponses(ctx context.Context, records int) ([]responseSize, error) {
 	resps, err := corpusResponses()
 	if err != nil {
 		return nil, err
@@ -109,7 +109,7 @@ func (e *env) sizeResponses(ctx context.Context) ([]responseSize, error) {
 			s.Redis, s.RedisCompressed = plain.Usage, zipped.Usage
 		}
 		if e.pgNaive != nil {
-			if s.Postgres, err = pgRecordBytes(ctx, e.pgNaive.pool, resp, pgSizeRecords, e.concurrency); err != nil {
+			if s.Postgres, err = pgRecordBytes(ctx, e.pgNaive.pool, resp, records, e.concurrency); err != nil {
 				return nil, fmt.Errorf("PostgreSQL bytes of %s: %w", s.Name, err)
 			}
 		}
@@ -137,13 +137,14 @@ func gzipSize(body []byte) (int, error) {
 }
 
 // writeResponses prints the corpus's table, ending with each column's mean
-// weighted by the shares; a column not measured prints as dashes.
-func writeResponses(w io.Writer, sizes []responseSize) {
+// weighted by the shares; a column not measured prints as dashes. The
+// PostgreSQL figures averaged over records records.
+func writeResponses(w io.Writer, sizes []responseSize, records int) {
 	if len(sizes) == 0 {
 		return
 	}
 	fmt.Fprintf(w, "\nBytes per completed record over a payments API's responses (bench/testdata/responses; 36-byte key names;"+
-		" Redis MEMORY USAGE, PostgreSQL disk over %d records; gzip: the body at level 1, against its size):\n", pgSizeRecords)
+		" Redis MEMORY USAGE, PostgreSQL disk over %d records; gzip: the body at level 1, against its size):\n", records)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintf(tw, "  response\tstatus\tshare\tbody\tgzip\tRedis\tRedis, CompressAbove %d\tPostgreSQL\t\n", corpusCompressAbove)
 	total := 0

@@ -62,7 +62,7 @@ func TestWriteResponses(t *testing.T) {
 		{Name: "none", Status: 204, Weight: 25, Redis: 300, RedisCompressed: 300, Postgres: 900},
 	}
 	var b bytes.Buffer
-	writeResponses(&b, sizes)
+	writeResponses(&b, sizes, 5000)
 	assert.Regexp(t, `\n +response +status +share +body +gzip +Redis +Redis, CompressAbove 1024 +PostgreSQL *\n`+
 		` +a\.json +201 +75 % +1000 +40 % +1200 +700 +1100 *\n`+
 		` +none +204 +25 % +0 +- +300 +300 +900 *\n`+
@@ -74,11 +74,11 @@ func TestWriteResponses(t *testing.T) {
 		sizes[i].Redis, sizes[i].RedisCompressed, sizes[i].Postgres = 0, 0, 0
 	}
 	b.Reset()
-	writeResponses(&b, sizes)
+	writeResponses(&b, sizes, 5000)
 	assert.Regexp(t, `\n +a\.json +201 +75 % +1000 +40 % +- +- +- *\n`, b.String())
 	assert.Regexp(t, `\n +weighted mean +100 % +750 +40 % +- +- +- *\n$`, b.String(), "no saving without figures")
 
 	b.Reset()
-	writeResponses(&b, nil)
+	writeResponses(&b, nil, 5000)
 	assert.Empty(t, b.String())
 }

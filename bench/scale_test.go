@@ -104,7 +104,7 @@ func TestRunScale(t *testing.T) {
 	pg := testserver.StartPostgres(t)
 	var stdout, stderr bytes.Buffer
 	cfg := config{redisAddr: redisSrv.Addr, postgresDSN: pg.DSN, duration: 50 * time.Millisecond, runs: 1,
-		concurrency: 4, rows: regexp.MustCompile(""), scale: []int{0, 3000}}
+		concurrency: 4, sizeRecords: 200, rows: regexp.MustCompile(""), scale: []int{0, 3000}}
 	require.NoError(t, run(context.Background(), cfg, &stdout, &stderr))
 
 	out := stdout.String()
