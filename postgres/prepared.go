@@ -21,18 +21,22 @@ import (
 // unprepared instead, also in one round trip.
 
 // ownerStatement is an owner's statement of one Store, with its parameters'
-// types in order.
+// types in order. It never changes once made.
 type ownerStatement struct {
-	sql  string
-	name string // the prepared statement's name, from sql
-	oids []uint32
+	sql    string
+	name   string // the prepared statement's name, from sql
+	oids   []uint32
+	binary []int16 // the format of every parameter and result
 }
 
-// newOwnerStatement returns sql as an owner's statement taking parameters
-// of the types oids.
+// newOwnerStatement returns sql as an owner's statement whose parameters are
+// the key's scope and name and the token, then parameters of the types
+// oids.
 func newOwnerStatement(sql string, oids ...uint32) *ownerStatement {
 	sum := sha256.Sum256([]byte(sql))
-	return &ownerStatement{sql: sql, name: "idempotency_" + hex.EncodeToString(sum[:12]), oids: oids}
+	return &ownerStatement{sql: sql, name: "idempotency_" + hex.EncodeToString(sum[:12]),
+		oids:   append([]uint32{pgtype.TextOID, pgtype.TextOID, pgtype.Int8OID}, oids...),
+		binary: []int16{pgtype.BinaryFormatCode}}
 }
 
 // errNotPrepared is the SQLSTATE of a prepared statement the connection
@@ -51,7 +55,7 @@ func (st *ownerStatement) queryRow(ctx context.Context, conn *pgx.Conn, args []a
 	}
 	pc := conn.PgConn()
 	if sd, ok := pc.CustomData()[st.name].(*pgconn.StatementDescription); ok {
-		res := pc.ExecStatement(ctx, sd, params, binaryFormat, binaryFormat).Read()
+		res := pc.ExecStatement(ctx, sd, params, st.binary, st.binary).Read()
 		var pgErr *pgconn.PgError
 		if !errors.As(res.Err, &pgErr) || pgErr.Code != errNotPrepared || pc.TxStatus() != 'I' {
 			return scanOne(conn.TypeMap(), res, dest)
@@ -82,14 +86,12 @@ func (st *ownerStatement) encode(m *pgtype.Map, args []any) ([][]byte, error) {
 	return params, nil
 }
 
-var binaryFormat = []int16{pgtype.BinaryFormatCode}
-
 // prepareAndExecute prepares st on pc and runs it, in one round trip, and
 // keeps the prepared statement's description on pc for the next calls.
 func (st *ownerStatement) prepareAndExecute(ctx context.Context, pc *pgconn.PgConn, params [][]byte) *pgconn.Result {
 	p := pc.StartPipeline(ctx)
 	p.SendPrepare(st.name, st.sql, st.oids)
-	p.SendQueryPrepared(st.name, params, binaryFormat, binaryFormat)
+	p.SendQueryPrepared(st.name, params, st.binary, st.binary)
 	res := &pgconn.Result{Err: p.Sync()}
 	if res.Err == nil {
 		res = st.pipelineResult(pc, p)
@@ -146,7 +148,3 @@ func scanOne(m *pgtype.Map, res *pgconn.Result, dest []any) error {
 	}
 	return nil
 }
-
-// ownerKey is the types of the parameters every owner's statement begins
-// with: the key's scope and name, and the token.
-var ownerKey = []uint32{pgtype.TextOID, pgtype.TextOID, pgtype.Int8OID}

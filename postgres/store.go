@@ -20,7 +20,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"slices"
 	"strings"
 	"sync"
 	"text/template"
@@ -126,7 +125,7 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 	t := n.Table
 	// An owner's write: $1, $2 and $3 are the key and the token.
 	owner := func(f string, args string, oids ...uint32) *ownerStatement {
-		return newOwnerStatement(`SELECT `+f+`($1, $2, $3`+args+`)`, slices.Concat(ownerKey, oids)...)
+		return newOwnerStatement(`SELECT `+f+`($1, $2, $3`+args+`)`, oids...)
 	}
 	grace := interval(2 * promptClaim)
 	return &Store{
@@ -141,7 +140,7 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 		heartbeat:      owner(n.Heartbeat, `, $4`, pgtype.Int8OID),
 		point:          owner(n.Point, `, $4, false`, pgtype.ByteaOID),
 		pointTx:        owner(n.Point, `, $4, true`, pgtype.ByteaOID),
-		points:         newOwnerStatement(pointsSQL(t), ownerKey...),
+		points:         newOwnerStatement(pointsSQL(t)),
 		// The partial index on lease_until holds the records in flight only,
 		// so the scan's cost follows them, not every record kept. Records
 		// past retention still in it (until DeleteExpired) are filtered out.
