@@ -306,8 +306,10 @@ func (e *env) setupPostgres(ctx context.Context, cfg config) {
 		if err := s.Migrate(ctx); err != nil {
 			return err
 		}
-		if _, err := pool.Exec(ctx, naiveTable); err != nil {
-			return err
+		for _, table := range []string{naiveTable, indexedTable} {
+			if _, err := pool.Exec(ctx, table); err != nil {
+				return err
+			}
 		}
 		e.pgGuard = idempotency.New(s, idempotency.Options{Retention: retention})
 		e.pgNaive = &naive{pool: pool}
