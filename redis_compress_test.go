@@ -18,9 +18,7 @@ import (
 func TestRedisCompressAbove(t *testing.T) {
 	redisBackends(t, func(t *testing.T, c *redis.Client) {
 		ctx := context.Background()
-		compressing, err := NewRedisStore(c, RedisOptions{CompressAbove: 1024})
-		require.NoError(t, err)
-		t.Cleanup(func() { compressing.Close() })
+		compressing := newRedisStoreWith(t, c, RedisOptions{CompressAbove: 1024})
 		plain := newRedisStore(t, c)
 		json := strings.Repeat(`{"id":"ch_1","amount":1200,"currency":"eur","status":"succeeded"},`, 160)
 		for _, tc := range []struct {

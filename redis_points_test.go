@@ -155,9 +155,7 @@ func TestRecoveryPointSavesWaitForReplicas(t *testing.T) {
 	redisBackends(t, func(t *testing.T, c *redis.Client) {
 		ctx := context.Background()
 		s := newRedisStore(t, c)
-		waits, err := NewRedisStore(c, RedisOptions{Replicas: 1, ReplicaTimeout: 5 * time.Millisecond})
-		require.NoError(t, err)
-		t.Cleanup(func() { waits.Close() })
+		waits := newRedisStoreWith(t, c, RedisOptions{Replicas: 1, ReplicaTimeout: 5 * time.Millisecond})
 		k := Key{Scope: "acct", Name: "points-replicas"}
 		owner := pointsOwner(t, s, k, "op-1", time.Hour)
 		order := RecoveryPoint{Step: "order", Result: []byte(`1`)}

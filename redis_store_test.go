@@ -36,7 +36,12 @@ func redisBackends(t *testing.T, f func(t *testing.T, c *redis.Client)) {
 }
 
 func newRedisStore(t *testing.T, c redis.UniversalClient) *RedisStore {
-	s, err := NewRedisStore(c, RedisOptions{})
+	return newRedisStoreWith(t, c, RedisOptions{})
+}
+
+// newRedisStoreWith is newRedisStore configured by o.
+func newRedisStoreWith(t *testing.T, c redis.UniversalClient, o RedisOptions) *RedisStore {
+	s, err := NewRedisStore(c, o)
 	require.NoError(t, err)
 	t.Cleanup(func() { s.Close() })
 	return s

@@ -106,23 +106,15 @@ func (n naive) replay(ctx context.Context, key string) error {
 	return err
 }
 
-// pgTwoStatementsRow is the floor of postgres/new-operation.
-func (e *env) pgTwoStatementsRow(_ context.Context, prefix string) (timedOp, error) {
-	if e.pgNaive == nil {
-		return nil, skipped(e.pgSkip)
+// pgNewOperationRow is a floor of postgres/new-operation: op on a fresh key
+// per operation, op being naive.newOperation or naive.indexedNewOperation.
+func (e *env) pgNewOperationRow(op func(naive, context.Context, string) error) prepareFunc {
+	return func(_ context.Context, prefix string) (timedOp, error) {
+		if e.pgNaive == nil {
+			return nil, skipped(e.pgSkip)
+		}
+		return timed(func(ctx context.Context, w, i int) error { return op(*e.pgNaive, ctx, freshKey(prefix, w, i)) }), nil
 	}
-	return timed(func(ctx context.Context, w, i int) error { return e.pgNaive.newOperation(ctx, freshKey(prefix, w, i)) }), nil
-}
-
-// pgIndexedRow is the floor of postgres/new-operation with the indexes
-// and the token its guarantees need.
-func (e *env) pgIndexedRow(_ context.Context, prefix string) (timedOp, error) {
-	if e.pgNaive == nil {
-		return nil, skipped(e.pgSkip)
-	}
-	return timed(func(ctx context.Context, w, i int) error {
-		return e.pgNaive.indexedNewOperation(ctx, freshKey(prefix, w, i))
-	}), nil
 }
 
 // pgOneSelectRow is the floor of postgres/replay, over as many completed

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/idempotency-go/idempotency"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -43,10 +44,27 @@ func newOwnerStatement(sql string, oids ...uint32) *ownerStatement {
 // does not have: its execution was refused before it ran.
 const errNotPrepared = "26000"
 
-// queryRow runs st with args on conn, whose caller holds it, and scans its
-// one row's columns into dest.
-func (st *ownerStatement) queryRow(ctx context.Context, conn *pgx.Conn, args []any, dest ...any) error {
-	if conn.Config().DefaultQueryExecMode != pgx.QueryExecModeCacheStatement {
+// ownerConn is a connection an owner's statement runs on, which its caller
+// holds, and whether statements may be prepared on it: only in pgx's
+// default query mode.
+type ownerConn struct {
+	*pgx.Conn
+	prepare bool
+}
+
+// prepares reports whether a connection configured by cfg keeps prepared
+// statements.
+func prepares(cfg *pgx.ConnConfig) bool {
+	return cfg.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
+}
+
+// queryRow runs st for the owner of k's record with token, and args after
+// them, on conn, and scans its one row's columns into dest.
+func (st *ownerStatement) queryRow(ctx context.Context, conn ownerConn, k idempotency.Key, token uint64, args []any, dest ...any) error {
+	// The sequence issues tokens from 1 up to MaxInt64: a token beyond it
+	// turns negative here, matches no row, and so is fenced off.
+	args = append([]any{k.Scope, k.Name, int64(token)}, args...)
+	if !conn.prepare {
 		return conn.QueryRow(ctx, st.sql, append([]any{pgx.QueryExecModeExec}, args...)...).Scan(dest...)
 	}
 	params, err := st.encode(conn.TypeMap(), args)

@@ -86,6 +86,8 @@ type Store struct {
 	// endsByDeadline: pgx ends every call of the pool by its context's
 	// deadline (see EndsByDeadline).
 	endsByDeadline bool
+	// prepares: the pool's connections keep prepared statements.
+	prepares bool
 	// The table's statements, with its quoted name filled in.
 	claimSQL                                                   string
 	abandonedSQL, statsSQL, deleteSQL, inspectSQL, inflightSQL string
@@ -132,6 +134,7 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 		pool:           pool,
 		opts:           o,
 		endsByDeadline: deadlineHandled(pool),
+		prepares:       prepares(pool.Config().ConnConfig),
 		claimSQL:       claimSQL(t, n.Claim),
 		complete:       owner(n.Complete, `, $4, $5, false`, pgtype.ByteaOID, pgtype.Int8OID),
 		completeTx:     owner(n.Complete, `, $4, $5, true`, pgtype.ByteaOID, pgtype.Int8OID),
@@ -503,9 +506,7 @@ func (s *Store) SaveRecoveryPoint(ctx context.Context, k idempotency.Key, token 
 // trip.
 func (s *Store) RecoveryPoints(ctx context.Context, k idempotency.Key, token uint64) ([]idempotency.RecoveryPoint, error) {
 	var b []byte
-	err := s.onPool(ctx, func(c *pgx.Conn) error {
-		return s.points.queryRow(ctx, c, []any{k.Scope, k.Name, int64(token)}, &b)
-	})
+	err := s.onPool(ctx, func(c ownerConn) error { return s.points.queryRow(ctx, c, k, token, nil, &b) })
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return nil, storeerr.Fenced("postgres recovery points")
@@ -655,27 +656,25 @@ func (s *Store) savePoint(ctx context.Context, on onConn, st *ownerStatement, k 
 }
 
 // onConn runs f with a connection: one of the pool's, or a transaction's.
-type onConn func(ctx context.Context, f func(*pgx.Conn) error) error
+type onConn func(ctx context.Context, f func(ownerConn) error) error
 
 // onPool is onConn on a connection of the pool, held for f.
-func (s *Store) onPool(ctx context.Context, f func(*pgx.Conn) error) error {
-	return s.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error { return f(c.Conn()) })
+func (s *Store) onPool(ctx context.Context, f func(ownerConn) error) error {
+	return s.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error { return f(ownerConn{c.Conn(), s.prepares}) })
 }
 
-// inTx is onConn on tx's connection.
+// inTx is onConn on tx's connection, which may come from another pool.
 func inTx(tx pgx.Tx) onConn {
-	return func(_ context.Context, f func(*pgx.Conn) error) error { return f(tx.Conn()) }
+	return func(_ context.Context, f func(ownerConn) error) error {
+		return f(ownerConn{tx.Conn(), prepares(tx.Conn().Config())})
+	}
 }
 
 // ownerWrite runs an owner's write, which changes the record only if token
 // owns it: ErrFenced when it changed nothing, ErrUnavailable when it failed.
 func (s *Store) ownerWrite(ctx context.Context, on onConn, op string, st *ownerStatement, k idempotency.Key, token uint64, args ...any) error {
-	// The sequence issues tokens from 1 up to MaxInt64: a token beyond it
-	// turns negative here, matches no row, and so is fenced off.
 	var changed bool
-	err := on(ctx, func(c *pgx.Conn) error {
-		return st.queryRow(ctx, c, append([]any{k.Scope, k.Name, int64(token)}, args...), &changed)
-	})
+	err := on(ctx, func(c ownerConn) error { return st.queryRow(ctx, c, k, token, args, &changed) })
 	if err != nil {
 		return storeerr.Unavailable("postgres "+op, err)
 	}
