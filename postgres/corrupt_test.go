@@ -1,12 +1,10 @@
 package postgres_test
 
 import (
-	"errors"
 	"math"
 	"strconv"
 	"testing"
 
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -38,6 +36,9 @@ func testCorruptRows(t *testing.T, f *fixture) {
 		{"completed", "op_1", 1, "now", []byte("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff"), "a response of garbage"},
 		{"completed", "op_1", 1, "now", resp[:3], "a truncated response"},
 		{"completed", "op_1", 1, "now", []byte{}, "an empty response"},
+		{"completed", "op_1", 1, "now", nil, "no response"},
+		{"done", "op_1", 1, "now", resp, "a state of another version"},
+		{"in_progress", "op_1", 1, "tomorrow", resp, "a response while in flight"},
 		{"completed", "", 1, "now", resp, "no operation ID"},
 		{"in_progress", "op_1", 1, "5000-01-01", nil, "a lease that ends in the year 5000"},
 		{"in_progress", "op_1", 1, "infinity", nil, "a lease that never ends"},
@@ -70,12 +71,9 @@ func testCorruptRows(t *testing.T, f *fixture) {
 		})
 	}
 
-	// A state of another version is refused by the table itself.
-	req := request("corrupt-state", longLease)
-	_, err := f.pool.Exec(ctx, insert, req.Key.Scope, req.Key.Name, req.Fingerprint[:], "done", 1, "op_1", "now", resp)
-	var pe *pgconn.PgError
-	require.True(t, errors.As(err, &pe), "a row of state done went in: %v", err)
-	assert.Equal(t, "23514", pe.Code, "check_violation")
+	// Inspect refuses a state of another version too.
+	_, err := s.Inspect(ctx, key("corrupt-4"))
+	require.ErrorIs(t, err, idempotency.ErrUnavailable, "inspecting a record of state done")
 
 	// Recovery points that do not parse are refused to their owner.
 	k := key("corrupt-points")

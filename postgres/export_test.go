@@ -12,7 +12,7 @@ import (
 // CompleteTxAs is CompleteTx for a record claimed without a Guard, under the
 // key, token and retention given.
 func (s *Store) CompleteTxAs(ctx context.Context, tx pgx.Tx, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
-	return s.completeRecord(ctx, inTx(tx), s.completeTx, k, token, resp, retention)
+	return s.completeRecord(ctx, inTx(tx), k, token, resp, retention)
 }
 
 // MigrateWith runs src, the schema.sql of an earlier version, as Migrate

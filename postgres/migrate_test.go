@@ -4,6 +4,7 @@ import (
 	"context"
 	_ "embed"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/idempotency-go/idempotency"
 	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
+	"github.com/idempotency-go/idempotency/internal/wire"
 	"github.com/idempotency-go/idempotency/postgres"
 )
 
@@ -142,11 +144,13 @@ func testMigrateRecoveryPoints(t *testing.T, f *fixture) {
 	old := postgres.New(f.pool, o)
 	t.Cleanup(old.Close)
 	require.NoError(t, old.MigrateWith(ctx, schemaV2))
-	done := claim(t, old, request("done", longLease))
-	require.NoError(t, old.Complete(ctx, key("done"), done.Token, okResponse, longRetention))
-	released := claim(t, old, request("released", longLease))
-	require.NoError(t, old.Release(ctx, key("released"), released.Token))
-	running := claim(t, old, request("running", longLease))
+	// Records as that version's functions leave them.
+	v2 := oldFunctions{f.pool, o.Table}
+	done := v2.claim(t, "done")
+	v2.call(t, "_complete", key("done"), done, wire.AppendResponse(nil, okResponse.Status, okResponse.Header, okResponse.Body),
+		longRetention.Microseconds(), false)
+	v2.call(t, "_release", key("released"), v2.claim(t, "released"))
+	running := uint64(v2.claim(t, "running"))
 
 	reader := readTable(t, f, o.Table)
 	mctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
@@ -174,10 +178,10 @@ func testMigrateRecoveryPoints(t *testing.T, f *fixture) {
 	require.NoError(t, s.SaveRecoveryPoint(ctx, key("released"), again.Token, point))
 	requirePoints(t, s, key("released"), again.Token, point)
 
-	require.NoError(t, s.SaveRecoveryPoint(ctx, key("running"), running.Token, point))
-	requirePoints(t, s, key("running"), running.Token, point)
-	require.NoError(t, s.Complete(ctx, key("running"), running.Token, okResponse, longRetention))
-	_, err := s.RecoveryPoints(ctx, key("running"), running.Token)
+	require.NoError(t, s.SaveRecoveryPoint(ctx, key("running"), running, point))
+	requirePoints(t, s, key("running"), running, point)
+	require.NoError(t, s.Complete(ctx, key("running"), running, okResponse, longRetention))
+	_, err := s.RecoveryPoints(ctx, key("running"), running)
 	require.ErrorIs(t, err, idempotency.ErrFenced, "the points of a completed record")
 	assert.Equal(t, idempotency.Completed, claim(t, s, request("running", longLease)).State)
 }
@@ -201,4 +205,43 @@ func requirePoints(t *testing.T, s *postgres.Store, k idempotency.Key, token uin
 	got, err := s.RecoveryPoints(t.Context(), k, token)
 	require.NoError(t, err)
 	require.Equal(t, want, got)
+}
+
+// oldFunctions calls the functions of an earlier version's schema on a
+// table, as that version's Store did.
+type oldFunctions struct {
+	pool  *pgxpool.Pool
+	table string
+}
+
+// claim claims the record of key(name) as request(name, longLease) does,
+// and returns its owner's token.
+func (o oldFunctions) claim(t *testing.T, name string) int64 {
+	t.Helper()
+	req := request(name, longLease)
+	var (
+		state string
+		token int64
+	)
+	require.NoError(t, o.pool.QueryRow(t.Context(), "SELECT o_state, o_token FROM "+pgx.Identifier{o.table + "_claim"}.Sanitize()+
+		"($1, $2, $3, $4, $5, $6, false)", req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID,
+		req.Lease.Microseconds(), req.Retention.Microseconds()).Scan(&state, &token))
+	require.Equal(t, "owner", state)
+	return token
+}
+
+// call calls the owner's function of the table named by suffix, for the
+// owner of k's record with token, and requires it to have changed the
+// record.
+func (o oldFunctions) call(t *testing.T, suffix string, k idempotency.Key, token int64, args ...any) {
+	t.Helper()
+	args = append([]any{k.Scope, k.Name, token}, args...)
+	marks := make([]string, len(args))
+	for i := range args {
+		marks[i] = fmt.Sprintf("$%d", i+1)
+	}
+	var changed bool
+	require.NoError(t, o.pool.QueryRow(t.Context(), "SELECT "+pgx.Identifier{o.table + suffix}.Sanitize()+
+		"("+strings.Join(marks, ", ")+")", args...).Scan(&changed))
+	require.True(t, changed, "%s of %v", suffix, k)
 }

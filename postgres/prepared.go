@@ -58,32 +58,54 @@ func prepares(cfg *pgx.ConnConfig) bool {
 	return cfg.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
 }
 
-// queryRow runs st for the owner of k's record with token, and args after
-// them, on conn, and scans its one row's columns into dest.
+// exec runs st for the owner of k's record with token, and args after
+// them, on conn, and returns how many rows it changed.
+func (st *ownerStatement) exec(ctx context.Context, conn ownerConn, k idempotency.Key, token uint64, args []any) (int64, error) {
+	args = ownerArgs(k, token, args)
+	if !conn.prepare {
+		tag, err := conn.Exec(ctx, st.sql, append([]any{pgx.QueryExecModeExec}, args...)...)
+		return tag.RowsAffected(), err
+	}
+	res := st.run(ctx, conn, args)
+	return res.CommandTag.RowsAffected(), res.Err
+}
+
+// queryRow is exec for a statement that answers one row: it scans the
+// row's columns into dest.
 func (st *ownerStatement) queryRow(ctx context.Context, conn ownerConn, k idempotency.Key, token uint64, args []any, dest ...any) error {
-	// The sequence issues tokens from 1 up to MaxInt64: a token beyond it
-	// turns negative here, matches no row, and so is fenced off.
-	args = append([]any{k.Scope, k.Name, int64(token)}, args...)
+	args = ownerArgs(k, token, args)
 	if !conn.prepare {
 		return conn.QueryRow(ctx, st.sql, append([]any{pgx.QueryExecModeExec}, args...)...).Scan(dest...)
 	}
+	return scanOne(conn.TypeMap(), st.run(ctx, conn, args), dest)
+}
+
+// ownerArgs are the arguments of an owner's statement. The sequence issues
+// tokens from 1 up to MaxInt64: a token beyond it turns negative here,
+// matches no row, and so is fenced off.
+func ownerArgs(k idempotency.Key, token uint64, args []any) []any {
+	return append([]any{k.Scope, k.Name, int64(token)}, args...)
+}
+
+// run runs st prepared on conn with args.
+func (st *ownerStatement) run(ctx context.Context, conn ownerConn, args []any) *pgconn.Result {
 	params, err := st.encode(conn.TypeMap(), args)
 	if err != nil {
-		return err
+		return &pgconn.Result{Err: err}
 	}
 	pc := conn.PgConn()
 	if sd, ok := pc.CustomData()[st.name].(*pgconn.StatementDescription); ok {
 		res := pc.ExecStatement(ctx, sd, params, st.binary, st.binary).Read()
 		var pgErr *pgconn.PgError
 		if !errors.As(res.Err, &pgErr) || pgErr.Code != errNotPrepared || pc.TxStatus() != 'I' {
-			return scanOne(conn.TypeMap(), res, dest)
+			return res
 		}
 		// The statement was deallocated behind the Store's back (DISCARD
 		// ALL, say), outside a transaction, and nothing ran: prepare it
 		// again.
 		delete(pc.CustomData(), st.name)
 	}
-	return scanOne(conn.TypeMap(), st.prepareAndExecute(ctx, pc, params), dest)
+	return st.prepareAndExecute(ctx, pc, params)
 }
 
 // encode encodes args in binary, each as its parameter's type.

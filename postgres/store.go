@@ -19,7 +19,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"math"
 	"strings"
 	"sync"
 	"text/template"
@@ -34,11 +33,6 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
-
-//go:embed schema.sql
-var schemaSQL string
-
-var schemaTemplate = template.Must(template.New("schema.sql").Option("missingkey=error").Parse(schemaSQL))
 
 // Options configures a Store. The zero value of every field is its
 // documented default.
@@ -88,12 +82,14 @@ type Store struct {
 	endsByDeadline bool
 	// prepares: the pool's connections keep prepared statements.
 	prepares bool
+	// pooled runs an owner's statement on a connection of the pool.
+	pooled onConn
 	// The table's statements, with its quoted name filled in.
-	claimSQL                                                   string
+	claimSQL, claimFunctionSQL                                 string
 	abandonedSQL, statsSQL, deleteSQL, inspectSQL, inflightSQL string
 	// The owner's statements (see prepared.go).
-	complete, completeTx, release, forget, heartbeat *ownerStatement
-	point, pointTx, points                           *ownerStatement
+	complete, release, forget, heartbeat *ownerStatement
+	point, points                        *ownerStatement
 
 	mu   sync.Mutex
 	subs wakeup.Registry[string] // by wakeID
@@ -125,25 +121,27 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 	}
 	n := newNames(o.Table)
 	t := n.Table
-	// An owner's write: $1, $2 and $3 are the key and the token.
-	owner := func(f string, args string, oids ...uint32) *ownerStatement {
-		return newOwnerStatement(`SELECT `+f+`($1, $2, $3`+args+`)`, oids...)
+	// An owner's write: $1, $2 and $3 are the key and the token, the rest
+	// as its parameters set them.
+	owner := func(name string, set func(*params), oids ...uint32) *ownerStatement {
+		return newOwnerStatement(render(n, name, ownerParams(set)), oids...)
 	}
+	none := func(*params) {}
 	grace := interval(2 * promptClaim)
-	return &Store{
-		pool:           pool,
-		opts:           o,
-		endsByDeadline: deadlineHandled(pool),
-		prepares:       prepares(pool.Config().ConnConfig),
-		claimSQL:       claimSQL(t, n.Claim),
-		complete:       owner(n.Complete, `, $4, $5, false`, pgtype.ByteaOID, pgtype.Int8OID),
-		completeTx:     owner(n.Complete, `, $4, $5, true`, pgtype.ByteaOID, pgtype.Int8OID),
-		release:        owner(n.Release, ``),
-		forget:         owner(n.Forget, ``),
-		heartbeat:      owner(n.Heartbeat, `, $4`, pgtype.Int8OID),
-		point:          owner(n.Point, `, $4, false`, pgtype.ByteaOID),
-		pointTx:        owner(n.Point, `, $4, true`, pgtype.ByteaOID),
-		points:         newOwnerStatement(pointsSQL(t)),
+	s := &Store{
+		pool:             pool,
+		opts:             o,
+		endsByDeadline:   deadlineHandled(pool),
+		prepares:         prepares(pool.Config().ConnConfig),
+		claimSQL:         claimSQL(n),
+		claimFunctionSQL: claimFunctionSQL(n),
+		complete: owner("complete", func(p *params) { p.Response, p.RetentionUS, p.InTx = "$4", "$5", "$6" },
+			pgtype.ByteaOID, pgtype.Int8OID, pgtype.BoolOID),
+		release:   owner("release", none),
+		forget:    owner("forget", none),
+		heartbeat: owner("heartbeat", func(p *params) { p.LeaseUS = "$4" }, pgtype.Int8OID),
+		point:     owner("point", func(p *params) { p.Entry, p.InTx = "$4", "$5" }, pgtype.ByteaOID, pgtype.BoolOID),
+		points:    newOwnerStatement(pointsSQL(n)),
 		// The partial index on lease_until holds the records in flight only,
 		// so the scan's cost follows them, not every record kept. Records
 		// past retention still in it (until DeleteExpired) are filtered out.
@@ -169,6 +167,8 @@ func New(pool *pgxpool.Pool, o Options) *Store {
 			ORDER BY lease_until, scope, key LIMIT $4`,
 		listening: make(chan struct{}),
 	}
+	s.pooled = onConn{with: s.withPooled}
+	return s
 }
 
 // inspected is what Inspect and ListInFlight read of a row, the times as
@@ -179,31 +179,6 @@ const inspected = `scope, key, state, operation_id, fingerprint, attempt, token,
 	(extract(epoch FROM now() - created_at) * 1000000)::bigint,
 	(extract(epoch FROM lease_until) * 1000000)::bigint,
 	` + rowPoints
-
-// claimSQL is the claim statement on table: it reads the record, and
-// answers from it what the claim function would (a replay, a mismatch, a
-// lease left to wait out); any other claim, a new record included, it
-// leaves to the claim function, in the same statement.
-func claimSQL(table, claim string) string {
-	return `WITH cur AS (
-			SELECT state, fingerprint, operation_id, response, waiters,
-				CASE WHEN state = 'in_progress' AND lease_until > now()
-					THEN (extract(epoch FROM lease_until - now()) * 1000000)::bigint END AS lease_left_us
-			FROM ` + table + ` WHERE scope = $1 AND key = $2 AND expires_at > now()
-		), read AS (
-			SELECT CASE WHEN fingerprint <> $3 THEN 'mismatch' WHEN state = 'completed' THEN 'completed' ELSE 'in_flight' END AS o_state,
-				operation_id, response, lease_left_us
-			FROM cur WHERE fingerprint <> $3 OR state = 'completed' OR (lease_left_us IS NOT NULL AND (NOT $7 OR waiters))
-		)
-		SELECT o_state, CASE WHEN o_state = 'completed' THEN operation_id ELSE '' END, 0, 0::bigint,
-			CASE WHEN o_state = 'completed' THEN response END,
-			CASE WHEN o_state = 'in_flight' THEN lease_left_us ELSE 0 END, false
-		FROM read
-		UNION ALL
-		SELECT o_state, coalesce(o_operation_id, ''), coalesce(o_attempt, 0), coalesce(o_token, 0), o_response,
-			coalesce(o_lease_left_us, 0), coalesce(o_abandoned, false)
-		FROM ` + claim + `($1, $2, $3, $4, $5, $6, $7) WHERE NOT EXISTS (SELECT FROM read)`
-}
 
 // EndsByDeadline implements idempotency.DeadlineBound: it vouches for a pool
 // whose connections keep pgx's default handling of a context that ends, a
@@ -235,17 +210,19 @@ func deadlineHandled(pool *pgxpool.Pool) (ok bool) {
 
 // names are the quoted names of the objects Migrate creates for a table.
 type names struct {
-	Table, Claim, Wake             string // schema-qualified
+	Table, Claim, Create, Wake     string // schema-qualified
 	Complete, Release, Forget      string // schema-qualified
 	Heartbeat, Point               string // schema-qualified
 	ExpiresIndex, LeaseIndex       string // in the table's schema
 	SettledTrigger, DeletedTrigger string // on the table
 	PromptClaim                    string // promptClaim as an SQL interval
 	PointsHead                     string // pointsHead
+	settled                        string // SettledTrigger unquoted
 	// String literals, set by Migrate.
-	Channel        string
-	ClaimSignature string // Claim with its argument types, for to_regprocedure
-	TableName      string // Table, for a cast to regclass
+	Channel            string
+	ClaimSignature     string // Claim with its argument types, for to_regprocedure
+	TableName          string // Table, for a cast to regclass
+	SettledTriggerName string // settled, for a comparison with pg_trigger.tgname
 }
 
 // interval is d as an SQL interval literal.
@@ -263,6 +240,7 @@ func newNames(table string) names {
 	return names{
 		Table:          qualified(""),
 		Claim:          qualified("_claim"),
+		Create:         qualified("_create"),
 		Wake:           qualified("_wake"),
 		Complete:       qualified("_complete"),
 		Release:        qualified("_release"),
@@ -272,6 +250,7 @@ func newNames(table string) names {
 		ExpiresIndex:   bare("_expires_at_idx"),
 		LeaseIndex:     bare("_lease_until_idx"),
 		SettledTrigger: bare("_settled"),
+		settled:        base + "_settled",
 		DeletedTrigger: bare("_deleted"),
 		PromptClaim:    interval(promptClaim),
 		PointsHead:     pointsHead,
@@ -356,10 +335,12 @@ func (s *Store) migrateOnce(ctx context.Context, tmpl *template.Template, lockTi
 	channel, err1 := escape(s.opts.Channel)
 	signature, err2 := escape(n.Claim + "(text, text, bytea, text, bigint, bigint, boolean)")
 	table, err3 := escape(n.Table)
-	if err := errors.Join(err1, err2, err3); err != nil {
+	settled, err4 := escape(n.settled)
+	if err := errors.Join(err1, err2, err3, err4); err != nil {
 		return storeerr.Unavailable("postgres migrate", err)
 	}
 	n.Channel, n.ClaimSignature, n.TableName = "'"+channel+"'", "'"+signature+"'", "'"+table+"'"
+	n.SettledTriggerName = "'" + settled + "'"
 	var schema strings.Builder
 	if err := tmpl.Execute(&schema, n); err != nil {
 		return fmt.Errorf("postgres: rendering schema.sql: %w", err)
@@ -375,69 +356,9 @@ func (s *Store) migrateOnce(ctx context.Context, tmpl *template.Template, lockTi
 	return nil
 }
 
-// Claim implements idempotency.Store in one statement.
-func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.Claim, error) {
-	var r claimRow
-	err := s.pool.QueryRow(ctx, s.claimSQL, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID,
-		req.Lease.Microseconds(), req.Retention.Microseconds(), req.Watch).
-		Scan(&r.state, &r.operationID, &r.attempt, &r.token, &r.response, &r.leftUS, &r.abandoned)
-	if err != nil {
-		return idempotency.Claim{}, storeerr.Unavailable("postgres claim", err)
-	}
-	return r.claim()
-}
-
-// claimRow is the row the claim function returns (schema.sql), its nulls
-// read as zeros.
-type claimRow struct {
-	state       string
-	operationID string
-	attempt     int
-	token       int64
-	response    []byte
-	leftUS      int64
-	abandoned   bool
-}
-
-// claim decodes r. A row written by hand or by another version can carry
-// what no claim of this version stores: such a row fails the claim rather
-// than make up an owner, a replay or a lease.
-func (r claimRow) claim() (idempotency.Claim, error) {
-	c := idempotency.Claim{OperationID: r.operationID, Attempt: r.attempt, Abandoned: r.abandoned}
-	var err error
-	switch r.state {
-	case "owner":
-		c.State, c.Token = idempotency.Owner, uint64(r.token)
-		if r.operationID == "" || r.attempt < 1 || r.token < 1 {
-			err = fmt.Errorf("owner of operation %q, attempt %d, token %d", r.operationID, r.attempt, r.token)
-		}
-	case "completed":
-		c.State = idempotency.Completed
-		c.Response.Status, c.Response.Header, c.Response.Body, err = wire.ParseResponse(r.response)
-		if err == nil && r.operationID == "" {
-			err = errors.New("completed record of no operation ID")
-		}
-	case "in_flight":
-		c.State, c.LeaseLeft = idempotency.InFlight, time.Duration(r.leftUS)*time.Microsecond
-		// A lease that ends centuries away (a lease_until set by hand)
-		// would overflow, and a waiter re-reads within the lease left.
-		if r.leftUS < 0 || r.leftUS > int64(math.MaxInt64/time.Microsecond) {
-			err = fmt.Errorf("lease left of %d µs", r.leftUS)
-		}
-	case "mismatch":
-		c.State = idempotency.Mismatch
-	default:
-		err = fmt.Errorf("unknown claim state %q", r.state)
-	}
-	if err != nil {
-		return idempotency.Claim{}, storeerr.Unavailable("postgres claim", err)
-	}
-	return c, nil
-}
-
 // Complete implements idempotency.Store.
 func (s *Store) Complete(ctx context.Context, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
-	return s.completeRecord(ctx, s.onPool, s.complete, k, token, resp, retention)
+	return s.completeRecord(ctx, s.pooled, k, token, resp, retention)
 }
 
 // CompleteTx stores resp as the outcome of the operation in ctx (the
@@ -470,43 +391,43 @@ func (s *Store) Complete(ctx context.Context, k idempotency.Key, token uint64, r
 // can outlast it.
 func (s *Store) CompleteTx(ctx context.Context, tx pgx.Tx, resp idempotency.Response) error {
 	return idempotency.CompleteOutside(ctx, s, resp, func(k idempotency.Key, token uint64, retention time.Duration) error {
-		return s.completeRecord(ctx, inTx(tx), s.completeTx, k, token, resp, retention)
+		return s.completeRecord(ctx, inTx(tx), k, token, resp, retention)
 	})
 }
 
 // Release implements idempotency.Store.
 func (s *Store) Release(ctx context.Context, k idempotency.Key, token uint64) error {
-	return s.ownerWrite(ctx, s.onPool, "release", s.release, k, token)
+	return s.settle(ctx, s.pooled, "release", s.release, k, token)
 }
 
 // Forget implements idempotency.Store.
 func (s *Store) Forget(ctx context.Context, k idempotency.Key, token uint64) error {
-	return s.ownerWrite(ctx, s.onPool, "forget", s.forget, k, token)
+	return s.settle(ctx, s.pooled, "forget", s.forget, k, token)
 }
 
 // Heartbeat implements idempotency.Store.
 func (s *Store) Heartbeat(ctx context.Context, k idempotency.Key, token uint64, lease time.Duration) error {
-	return s.ownerWrite(ctx, s.onPool, "heartbeat", s.heartbeat, k, token, lease.Microseconds())
+	return s.ownerWrite(ctx, s.pooled, "heartbeat", s.heartbeat, k, token, lease.Microseconds())
 }
 
 // Abandon implements idempotency.Store: the lease's end becomes the
 // database's now(), which no later claim's now() precedes, so the next claim
 // takes the record over as abandoned.
 func (s *Store) Abandon(ctx context.Context, k idempotency.Key, token uint64) error {
-	return s.ownerWrite(ctx, s.onPool, "abandon", s.heartbeat, k, token, int64(0))
+	return s.ownerWrite(ctx, s.pooled, "abandon", s.heartbeat, k, token, int64(0))
 }
 
 // SaveRecoveryPoint implements idempotency.RecoveryPointStore, in one round
 // trip: the point function (schema.sql) appends p's entry to the record's.
 func (s *Store) SaveRecoveryPoint(ctx context.Context, k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
-	return s.savePoint(ctx, s.onPool, s.point, k, token, p)
+	return s.savePoint(ctx, s.pooled, k, token, p)
 }
 
 // RecoveryPoints implements idempotency.RecoveryPointStore, in one round
 // trip.
 func (s *Store) RecoveryPoints(ctx context.Context, k idempotency.Key, token uint64) ([]idempotency.RecoveryPoint, error) {
 	var b []byte
-	err := s.onPool(ctx, func(c ownerConn) error { return s.points.queryRow(ctx, c, k, token, nil, &b) })
+	err := s.withPooled(ctx, func(c ownerConn) error { return s.points.queryRow(ctx, c, k, token, nil, &b) })
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return nil, storeerr.Fenced("postgres recovery points")
@@ -534,13 +455,11 @@ func stepsOf(b []byte) ([]string, error) {
 	return steps, err
 }
 
-// pointsSQL is the owner's read of its record's recovery points on table.
-// It finds the row as the owner's writes do (schema.sql), and, like them,
-// only while the token owns the record, in flight and not expired; the
-// lease is not judged.
-func pointsSQL(table string) string {
-	return `SELECT ` + rowPoints + ` FROM ` + table + ` t WHERE t.scope = $1 AND t.key = $2 AND t.token = $3
-		AND t.state || '' = 'in_progress' AND t.expires_at > now()`
+// pointsSQL is the owner's read of its record's recovery points on the
+// table of n: only while the token owns the record, as for the owner's
+// writes (statements.sql); the lease is not judged.
+func pointsSQL(n names) string {
+	return `SELECT ` + rowPoints + ` FROM ` + n.Table + ` t WHERE ` + render(n, "owned", ownerParams(func(*params) {}))
 }
 
 // pointsHead is how the recovery points of row t begin: the length of its
@@ -584,7 +503,7 @@ const rowPoints = `CASE WHEN substring(t.points FROM 1 FOR octet_length(` + poin
 // for about two thirds of the lease can outlast it.
 func (s *Store) StepTx(ctx context.Context, tx pgx.Tx, result any) error {
 	return idempotency.SaveStepOutside(ctx, s, result, func(k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
-		return s.savePoint(ctx, inTx(tx), s.pointTx, k, token, p)
+		return s.savePoint(ctx, inTx(tx), k, token, p)
 	})
 }
 
@@ -646,39 +565,77 @@ func (s *Store) DeleteExpired(ctx context.Context) (int64, error) {
 	}
 }
 
-func (s *Store) completeRecord(ctx context.Context, on onConn, st *ownerStatement, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
+func (s *Store) completeRecord(ctx context.Context, on onConn, k idempotency.Key, token uint64, resp idempotency.Response, retention time.Duration) error {
 	b := wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body)
-	return s.ownerWrite(ctx, on, "complete", st, k, token, b, retention.Microseconds())
+	return s.settle(ctx, on, "complete", s.complete, k, token, b, retention.Microseconds(), on.inTx)
 }
 
-func (s *Store) savePoint(ctx context.Context, on onConn, st *ownerStatement, k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
-	return s.ownerWrite(ctx, on, "save recovery point", st, k, token, wire.AppendPoint(nil, p.Step, p.Result))
+func (s *Store) savePoint(ctx context.Context, on onConn, k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
+	return s.ownerWrite(ctx, on, "save recovery point", s.point, k, token, wire.AppendPoint(nil, p.Step, p.Result), on.inTx)
 }
 
-// onConn runs f with a connection: one of the pool's, or a transaction's.
-type onConn func(ctx context.Context, f func(ownerConn) error) error
+// onConn runs an owner's statement on a connection: one of the pool's, or
+// a transaction's.
+type onConn struct {
+	with func(ctx context.Context, f func(ownerConn) error) error
+	inTx bool // the caller's transaction: the lease is judged by the clock at the statement
+}
 
-// onPool is onConn on a connection of the pool, held for f.
-func (s *Store) onPool(ctx context.Context, f func(ownerConn) error) error {
+// withPooled runs f on a connection of the pool, held for f.
+func (s *Store) withPooled(ctx context.Context, f func(ownerConn) error) error {
 	return s.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error { return f(ownerConn{c.Conn(), s.prepares}) })
 }
 
 // inTx is onConn on tx's connection, which may come from another pool.
 func inTx(tx pgx.Tx) onConn {
-	return func(_ context.Context, f func(ownerConn) error) error {
+	return onConn{inTx: true, with: func(_ context.Context, f func(ownerConn) error) error {
 		return f(ownerConn{tx.Conn(), prepares(tx.Conn().Config())})
-	}
+	}}
 }
 
 // ownerWrite runs an owner's write, which changes the record only if token
 // owns it: ErrFenced when it changed nothing, ErrUnavailable when it failed.
 func (s *Store) ownerWrite(ctx context.Context, on onConn, op string, st *ownerStatement, k idempotency.Key, token uint64, args ...any) error {
-	var changed bool
-	err := on(ctx, func(c ownerConn) error { return st.queryRow(ctx, c, k, token, args, &changed) })
+	var changed int64
+	err := on.with(ctx, func(c ownerConn) (err error) {
+		changed, err = st.exec(ctx, c, k, token, args)
+		return err
+	})
 	if err != nil {
 		return storeerr.Unavailable("postgres "+op, err)
 	}
-	if !changed {
+	if changed == 0 {
+		return storeerr.Fenced("postgres " + op)
+	}
+	return nil
+}
+
+// settle runs an owner's write that settles the record, and wakes the
+// record's waiters if any registered: on the same connection, and so in the
+// caller's transaction if there is one. Once the record is settled outside
+// a transaction, a notification that fails is not its caller's error: the
+// waiters re-read the record on their own within Options.RecheckInterval.
+func (s *Store) settle(ctx context.Context, on onConn, op string, st *ownerStatement, k idempotency.Key, token uint64, args ...any) error {
+	var settled, waiters bool
+	err := on.with(ctx, func(c ownerConn) error {
+		err := st.queryRow(ctx, c, k, token, args, &waiters)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil
+		}
+		settled = err == nil
+		if err != nil || !waiters {
+			return err
+		}
+		_, err = c.Exec(ctx, `SELECT pg_notify($1, $2)`, pgx.QueryExecModeExec, s.opts.Channel, wakeID(k))
+		if on.inTx {
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		return storeerr.Unavailable("postgres "+op, err)
+	}
+	if !settled {
 		return storeerr.Fenced("postgres " + op)
 	}
 	return nil
@@ -770,6 +727,8 @@ func collectInspected(rows pgx.Rows) ([]idempotency.Record, []int64, error) {
 			r.SetResponse(resp)
 		case state == "released":
 			r.State = idempotency.RecordReleased
+		case state != "in_progress":
+			return nil, nil, fmt.Errorf("record %q: unknown state %q", r.Key, state)
 		case leftUS > 0:
 			r.State, r.LeaseLeft = idempotency.RecordInFlight, time.Duration(leftUS)*time.Microsecond
 		default:
