@@ -35,11 +35,11 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
     PRIMARY KEY (scope, key)
 ) WITH (fillfactor = 80);
 
--- For DeleteExpired.
-CREATE INDEX IF NOT EXISTS {{.ExpiresIndex}} ON {{.Table}} (expires_at);
-
--- For Abandoned: it reads the records in flight only, oldest lease first.
-CREATE INDEX IF NOT EXISTS {{.LeaseIndex}} ON {{.Table}} (lease_until) WHERE state = 'in_progress';
+-- The upgrades of a table made by an earlier version come before anything
+-- else locks the table: each takes an ACCESS EXCLUSIVE lock, and a
+-- migration that held a weaker one (CREATE INDEX takes SHARE even when the
+-- index exists) while it waited for that would deadlock with a claim that
+-- read the table and then writes it.
 
 -- A table made before records kept recovery points gains the column. ADD
 -- COLUMN takes an ACCESS EXCLUSIVE lock on the table even when the column
@@ -77,6 +77,12 @@ BEGIN
     END IF;
 END
 $migrate$;
+
+-- For DeleteExpired.
+CREATE INDEX IF NOT EXISTS {{.ExpiresIndex}} ON {{.Table}} (expires_at);
+
+-- For Abandoned: it reads the records in flight only, oldest lease first.
+CREATE INDEX IF NOT EXISTS {{.LeaseIndex}} ON {{.Table}} (lease_until) WHERE state = 'in_progress';
 
 -- CREATE OR REPLACE cannot change a function's OUT parameters, and claim
 -- gained o_abandoned: a claim function from before is dropped, inside this

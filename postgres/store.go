@@ -299,7 +299,9 @@ func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
 	for {
 		err := s.migrateOnce(ctx, tmpl, wait)
 		var pgErr *pgconn.PgError
-		if !errors.As(err, &pgErr) || pgErr.Code != "55P03" { // lock_not_available
+		// lock_not_available, or a deadlock the server broke by failing
+		// this attempt: it rolled back, and the next one may get through.
+		if !errors.As(err, &pgErr) || (pgErr.Code != "55P03" && pgErr.Code != "40P01") {
 			return err
 		}
 		select {

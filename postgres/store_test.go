@@ -73,6 +73,7 @@ func TestStore(t *testing.T) {
 		{"MigrateConcurrently", testMigrateConcurrently},
 		{"MigrateUpgrade", testMigrateUpgrade},
 		{"MigrateRecoveryPoints", testMigrateRecoveryPoints},
+		{"RollingUpgrade", testRollingUpgrade},
 		{"TakeoverWaitsOutRelease", testTakeoverWaitsOutRelease},
 		{"AbandonedCorruptFingerprint", testAbandonedCorruptFingerprint},
 		{"ErrorsAreUnavailable", testErrorsAreUnavailable},
