@@ -306,7 +306,7 @@ func (e *env) setupPostgres(ctx context.Context, cfg config) {
 		if err := s.Migrate(ctx); err != nil {
 			return err
 		}
-		for _, table := range []string{naiveTable, indexedTable} {
+		for _, table := range []string{naiveTable, indexedTable, hotTable} {
 			if _, err := pool.Exec(ctx, table); err != nil {
 				return err
 			}
