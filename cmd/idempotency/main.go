@@ -10,6 +10,11 @@
 // same way: one on a record that changed since it was read is refused, and
 // one on a record whose owner's lease is live needs -force. Every action
 // asks for confirmation unless -yes is given.
+//
+// idempotency proxy serves a reverse proxy that guards a service not
+// written in Go with the library's middleware (docs/proxy.md):
+//
+//	idempotency -redis redis://127.0.0.1:6379 proxy -upstream http://127.0.0.1:3000 -scope-header X-Account-ID
 package main
 
 import (
@@ -23,6 +28,7 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/idempotency-go/idempotency"
@@ -42,6 +48,8 @@ Commands:
                       record's, for its retries to replay
   release SCOPE KEY   let the next retry run the operation
   forget SCOPE KEY    make the key new again
+  proxy [FLAGS]       serve a reverse proxy that guards an upstream service
+                      not written in Go (idempotency proxy -h)
 
 SCOPE is the key's scope (an account, a tenant), "" for a single tenant.
 
@@ -62,7 +70,7 @@ type config struct {
 }
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := run(ctx, os.Args[1:], os.Stdin, os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
@@ -93,6 +101,15 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	if fs.NArg() == 0 {
 		fs.Usage()
 		return 2
+	}
+	if fs.Arg(0) == "proxy" {
+		// A service, not a command: no -timeout, and the store flags may
+		// come from the environment too.
+		if err := fromEnv(fs, os.Getenv); err != nil {
+			fmt.Fprintln(stderr, "idempotency:", err)
+			return 2
+		}
+		return runProxy(ctx, c.store, fs.Args()[1:], stdout, stderr)
 	}
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
@@ -127,7 +144,7 @@ func (c *config) dispatch(ctx context.Context, cmd string, args []string, in *bu
 			return usageError{fmt.Sprintf("%s takes no arguments, got %q", cmd, args)}
 		}
 	default:
-		return usageError{fmt.Sprintf("unknown command %q (inspect, list, stats, settle, release, forget)", cmd)}
+		return usageError{fmt.Sprintf("unknown command %q (inspect, list, stats, settle, release, forget, proxy)", cmd)}
 	}
 	switch cmd {
 	case "settle":

@@ -35,11 +35,36 @@ type opened struct {
 	store     idempotency.Store
 	inspector idempotency.Inspector
 	stats     func(context.Context) (idempotency.Stats, error)
+	// deleteExpired deletes the records past their retention, on a store
+	// that does not on its own (PostgreSQL); nil otherwise.
+	deleteExpired func(context.Context) (int64, error)
 }
 
 // open opens the store the flags name, and checks that it is one of this
 // library's.
 func (c *storeConfig) open(ctx context.Context) (opened, func(), error) {
+	return c.openFor(ctx, false)
+}
+
+// openToServe opens the store the flags name for a service that runs
+// operations on it: a PostgreSQL table is made or brought up to date
+// (Migrate), and a Redis that may evict records is refused unless
+// allowEviction.
+func (c *storeConfig) openToServe(ctx context.Context, allowEviction bool) (opened, func(), error) {
+	s, closeStore, err := c.openFor(ctx, true)
+	if err != nil || c.postgresDSN != "" || allowEviction {
+		return s, closeStore, err
+	}
+	if err := s.store.(*idempotency.RedisStore).CheckEviction(ctx); err != nil {
+		closeStore()
+		return opened{}, nil, fmt.Errorf("%w (-allow-eviction serves anyway)", err)
+	}
+	return s, closeStore, nil
+}
+
+// openFor opens the store the flags name; migrate makes or updates a
+// PostgreSQL table instead of requiring one.
+func (c *storeConfig) openFor(ctx context.Context, migrate bool) (opened, func(), error) {
 	var given []string
 	for flag, v := range map[string]string{"-redis": c.redisURL, "-redis-cluster": c.cluster, "-sentinel": c.sentinel, "-postgres": c.postgresDSN} {
 		if v != "" {
@@ -50,7 +75,7 @@ func (c *storeConfig) open(ctx context.Context) (opened, func(), error) {
 		return opened{}, nil, usageError{fmt.Sprintf("name exactly one store (-redis, -redis-cluster, -sentinel or -postgres), got %d", len(given))}
 	}
 	if c.postgresDSN != "" {
-		return c.openPostgres(ctx)
+		return c.openPostgres(ctx, migrate)
 	}
 	client, err := c.redisClient()
 	if err != nil {
@@ -65,7 +90,7 @@ func (c *storeConfig) open(ctx context.Context) (opened, func(), error) {
 		client.Close()
 		return opened{}, nil, err
 	}
-	return opened{s, s, s.Stats}, func() { s.Close(); client.Close() }, nil
+	return opened{store: s, inspector: s, stats: s.Stats}, func() { s.Close(); client.Close() }, nil
 }
 
 func (c *storeConfig) redisClient() (redis.UniversalClient, error) {
@@ -88,13 +113,21 @@ func (c *storeConfig) redisClient() (redis.UniversalClient, error) {
 		ContextTimeoutEnabled: true}), nil
 }
 
-func (c *storeConfig) openPostgres(ctx context.Context) (opened, func(), error) {
+func (c *storeConfig) openPostgres(ctx context.Context, migrate bool) (opened, func(), error) {
 	pool, err := pgxpool.New(ctx, c.postgresDSN)
 	if err != nil {
 		return opened{}, nil, usageError{fmt.Sprintf("-postgres: %v", err)}
 	}
 	s := postgres.New(pool, postgres.Options{Table: c.table})
 	closeAll := func() { s.Close(); pool.Close() }
+	o := opened{store: s, inspector: s, stats: s.Stats, deleteExpired: s.DeleteExpired}
+	if migrate {
+		if err := s.Migrate(ctx); err != nil {
+			closeAll()
+			return opened{}, nil, err
+		}
+		return o, closeAll, nil
+	}
 	// A table that is not there is a wrong -table, or a database the
 	// library never migrated: say so rather than fail every read.
 	table := c.table
@@ -115,5 +148,5 @@ func (c *storeConfig) openPostgres(ctx context.Context) (opened, func(), error) 
 		closeAll()
 		return opened{}, nil, fmt.Errorf("postgres: no idempotency table %q with its claim function here: is -table the service's, and has it run Migrate?", table)
 	}
-	return opened{s, s, s.Stats}, closeAll, nil
+	return o, closeAll, nil
 }

@@ -1,0 +1,209 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/idempotency-go/idempotency"
+)
+
+const proxyUsage = `usage: idempotency [store flags] proxy [flags]
+
+Runs a reverse proxy that guards every request of the -methods (POST and
+PATCH by default) to -upstream with an Idempotency-Key, on the store the
+store flags name, with the contract of the library's middleware: a retry
+replays the stored answer, a concurrent duplicate waits for it, a key
+reused with another request gets 422, and an answer is stored before it
+is sent. The upstream gets, on every guarded request, the headers
+Idempotency-Operation-Key (the same for every attempt at one operation),
+Idempotency-Fencing-Token (greater at every attempt) and
+Idempotency-Attempt, so that it can de-duplicate its own side effects and
+refuse a stale attempt's writes (docs/proxy.md).
+
+Every flag, store flags included, can also be set by the environment
+variable IDEMPOTENCY_ and its name in capitals, - as _ (IDEMPOTENCY_UPSTREAM,
+IDEMPOTENCY_SCOPE_HEADER, IDEMPOTENCY_REDIS, ...); a flag given on the
+command line wins. On SIGINT or SIGTERM it stops taking requests and
+finishes those under way, for at most -shutdown-timeout.
+
+Flags:
+`
+
+// proxyConfig is what the proxy's flags say.
+type proxyConfig struct {
+	upstream, listen, adminListen string
+	scopeHeader                   string
+	singleTenant, optionalKey     bool
+	trustForwarded                bool
+	methods, fingerprintHeaders   string
+	errors                        string
+	lease, retention              time.Duration
+	operationTimeout, waitTimeout time.Duration
+	claimTimeout, shutdownTimeout time.Duration
+	deleteExpiredEvery            time.Duration
+	maxRequestBytes               int64
+	maxResponseBytes              int64
+	allowEviction                 bool
+}
+
+func (c *proxyConfig) flags(fs *flag.FlagSet) {
+	fs.StringVar(&c.upstream, "upstream", "", "the service to proxy to, `URL` http://host:port[/path] (required)")
+	fs.StringVar(&c.listen, "listen", ":8080", "the `ADDR` to serve clients on")
+	fs.StringVar(&c.adminListen, "admin-listen", "127.0.0.1:9090", "the `ADDR` to serve /healthz and /metrics on; empty for none")
+	fs.StringVar(&c.scopeHeader, "scope-header", "", "the request header that names the account a key belongs to, e.g. X-Account-ID; a guarded request without it gets 400 (required unless -single-tenant)")
+	fs.BoolVar(&c.singleTenant, "single-tenant", false, "the API has one tenant: every key is in one scope")
+	fs.StringVar(&c.methods, "methods", "POST,PATCH", "the `METHODS` guarded, comma-separated; others pass through unguarded")
+	fs.BoolVar(&c.optionalKey, "optional-key", false, "pass a guarded request without Idempotency-Key through unguarded, instead of answering 400")
+	fs.StringVar(&c.fingerprintHeaders, "fingerprint-headers", "", "request `HEADERS` that count in the fingerprint besides the method, path, query and body, comma-separated")
+	fs.StringVar(&c.errors, "errors", "problem", "how errors are answered: problem (RFC 9457 problem details) or stripe (Stripe's error shape)")
+	fs.DurationVar(&c.lease, "lease", 10*time.Second, "how long an attempt holds a key before it must renew it")
+	fs.DurationVar(&c.retention, "retention", 24*time.Hour, "how long an answer is kept for its retries")
+	fs.DurationVar(&c.operationTimeout, "operation-timeout", time.Minute, "how long the upstream may take on one attempt; then it is cancelled, 504 answered and the key released")
+	fs.DurationVar(&c.waitTimeout, "wait-timeout", 0, "how long a duplicate waits for the attempt in flight before 409 (default: the library's)")
+	fs.DurationVar(&c.claimTimeout, "claim-timeout", 0, "how long a claim may wait for the store before 503 (default: the library's)")
+	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 75*time.Second, "how long a shutdown waits for the requests under way")
+	fs.DurationVar(&c.deleteExpiredEvery, "delete-expired-every", 5*time.Minute, "PostgreSQL: how often to delete the records whose retention ran out; 0 for never")
+	fs.Int64Var(&c.maxRequestBytes, "max-request-bytes", 0, "the largest guarded request body, in `BYTES`; larger gets 413 (default: the library's, 1 MiB)")
+	fs.Int64Var(&c.maxResponseBytes, "max-response-bytes", 0, "the largest answer kept whole, in `BYTES`; a larger one is stored without its body and streamed (default: the library's, 1 MiB)")
+	fs.BoolVar(&c.trustForwarded, "trust-forwarded", false, "keep the X-Forwarded-For a client sends and add to it, for a proxy behind a gateway that sets it; otherwise it is replaced")
+	fs.BoolVar(&c.allowEviction, "allow-eviction", false, "Redis: serve on a server that may evict records (a second execution once one is evicted)")
+}
+
+// fromEnv sets every flag of fs not given on the command line from its
+// environment variable, if set.
+func fromEnv(fs *flag.FlagSet, getenv func(string) string) error {
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	var errs []error
+	fs.VisitAll(func(f *flag.Flag) {
+		name := "IDEMPOTENCY_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
+		if v := getenv(name); v != "" && !given[f.Name] {
+			if err := fs.Set(f.Name, v); err != nil {
+				errs = append(errs, fmt.Errorf("%s: %w", name, err))
+			}
+		}
+	})
+	return errors.Join(errs...)
+}
+
+// runProxy parses the proxy's flags from args and serves until ctx is done.
+func runProxy(ctx context.Context, store storeConfig, args []string, stdout, stderr io.Writer) int {
+	var c proxyConfig
+	fs := flag.NewFlagSet("idempotency proxy", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, proxyUsage); fs.PrintDefaults() }
+	c.flags(fs)
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if err := fromEnv(fs, os.Getenv); err != nil {
+		fmt.Fprintln(stderr, "idempotency proxy:", err)
+		return 2
+	}
+	log := slog.New(slog.NewTextHandler(stderr, nil))
+	err := c.serve(ctx, store, log, stdout)
+	var misuse usageError
+	switch {
+	case errors.As(err, &misuse):
+		fmt.Fprintln(stderr, "idempotency proxy:", err)
+		return 2
+	case err != nil:
+		log.Error("proxy stopped", "err", err)
+		return 1
+	}
+	return 0
+}
+
+// middleware is the middleware's options the flags say.
+func (c *proxyConfig) middleware() (idempotency.MiddlewareOptions, error) {
+	o := idempotency.MiddlewareOptions{
+		Methods:            splitList(c.methods),
+		OptionalKey:        c.optionalKey,
+		MaxRequestBytes:    c.maxRequestBytes,
+		MaxResponseBytes:   c.maxResponseBytes,
+		FingerprintHeaders: splitList(c.fingerprintHeaders),
+	}
+	switch {
+	case c.singleTenant && c.scopeHeader != "":
+		return o, usageError{"-scope-header and -single-tenant say two things: give one"}
+	case c.singleTenant:
+		o.Scope = idempotency.SingleTenant
+	case c.scopeHeader != "":
+		o.Scope = headerScope(http.CanonicalHeaderKey(c.scopeHeader))
+	default:
+		return o, usageError{"-scope-header is required, so that two accounts never share a key; an API with one tenant says -single-tenant"}
+	}
+	switch c.errors {
+	case "problem":
+	case "stripe":
+		o.Errors = idempotency.StripeErrors
+	default:
+		return o, usageError{fmt.Sprintf("-errors %q: want problem or stripe", c.errors)}
+	}
+	if len(o.Methods) == 0 {
+		return o, usageError{"-methods names no method"}
+	}
+	return o, nil
+}
+
+// errNoScope answers a guarded request that does not name its account.
+var errNoScope = errors.New("no account header")
+
+// headerScope scopes a request's key by the value of header: a request
+// without it is refused.
+func headerScope(header string) func(*http.Request) (string, error) {
+	return func(r *http.Request) (string, error) {
+		v := r.Header.Values(header)
+		if len(v) != 1 || v[0] == "" {
+			return "", fmt.Errorf("%w %s (one value)", errNoScope, header)
+		}
+		return v[0], nil
+	}
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// upstreamURL is -upstream, checked.
+func (c *proxyConfig) upstreamURL() (*url.URL, error) {
+	if c.upstream == "" {
+		return nil, usageError{"-upstream is required"}
+	}
+	u, err := url.Parse(c.upstream)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, usageError{fmt.Sprintf("-upstream %q: want http://host:port or https://host:port", c.upstream)}
+	}
+	return u, nil
+}
+
+// listenBoth opens the clients' listener and, if asked for, the admin one.
+func (c *proxyConfig) listenBoth() (clients, admin net.Listener, err error) {
+	if clients, err = net.Listen("tcp", c.listen); err != nil {
+		return nil, nil, err
+	}
+	if c.adminListen == "" {
+		return clients, nil, nil
+	}
+	if admin, err = net.Listen("tcp", c.adminListen); err != nil {
+		clients.Close()
+		return nil, nil, err
+	}
+	return clients, admin, nil
+}

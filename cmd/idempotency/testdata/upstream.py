@@ -1,0 +1,116 @@
+"""An upstream service not written in Go, for the proxy's tests: Python's
+standard library only. It makes its own side effects safe the way
+docs/proxy.md says an upstream should, and counts everything it is asked.
+
+Each guarded request carries Idempotency-Operation-Key (one per operation)
+and Idempotency-Fencing-Token (greater at each attempt). A charge is made
+once per operation key; a request whose token is below the greatest seen
+for its operation is refused with 409, as a stale attempt's write.
+
+Routes (POST unless said):
+  /charges          make the charge: 201 and its JSON
+  /slow?ms=N        the same, after N ms
+  /hang             never answers (until the connection closes)
+  /flaky            500 on an operation's first call, then as /charges
+  /big?bytes=N      201 with N bytes of body
+  GET /_stats       what it was asked: calls and charges per operation key,
+                    operation keys per Idempotency-Key
+  GET anything else 200, echoing the headers it got
+It prints "PORT <n>" once it listens on 127.0.0.1.
+"""
+
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+lock = threading.Lock()
+calls = {}       # operation key -> requests received
+charges = {}     # operation key -> the charge made for it
+tokens = {}      # operation key -> greatest fencing token seen
+operations = {}  # "scope/Idempotency-Key" -> set of operation keys
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, status, body, content_type="application/json"):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/_stats":
+            with lock:
+                stats = {"calls": calls, "charges": charges,
+                         "operations": {k: sorted(v) for k, v in operations.items()}}
+                body = json.dumps(stats).encode()
+            self.reply(200, body)
+            return
+        self.reply(200, json.dumps({"headers": dict(self.headers.items())}).encode())
+
+    def do_POST(self):
+        url = urlparse(self.path)
+        query = parse_qs(url.query)
+        length = int(self.headers.get("Content-Length") or 0)
+        request = self.rfile.read(length)
+        op = self.headers.get("Idempotency-Operation-Key", "")
+        token = int(self.headers.get("Idempotency-Fencing-Token") or 0)
+        with lock:
+            calls[op] = calls.get(op, 0) + 1
+            n = calls[op]
+            scoped = self.headers.get("X-Account-ID", "") + "/" + self.headers.get("Idempotency-Key", "")
+            operations.setdefault(scoped, set()).add(op)
+            stale = op and token < tokens.get(op, 0)
+            if not stale:
+                tokens[op] = max(tokens.get(op, 0), token)
+        if stale:
+            self.reply(409, b'{"error":"stale attempt"}')
+            return
+        if url.path == "/hang":
+            time.sleep(3600)
+            return
+        if url.path == "/slow":
+            time.sleep(int(query.get("ms", ["0"])[0]) / 1000)
+        if url.path == "/flaky" and n == 1:
+            self.reply(500, b'{"error":"try again"}')
+            return
+        if url.path == "/big":
+            self.reply(201, b"x" * int(query.get("bytes", ["0"])[0]), "application/octet-stream")
+            return
+        with lock:
+            if op not in charges:
+                charges[op] = "ch_%d" % (len(charges) + 1)
+            charge = charges[op]
+        seen = {h: self.headers.get(h) for h in (
+            "Idempotency-Operation-Key", "Idempotency-Fencing-Token", "Idempotency-Attempt",
+            "X-Forwarded-For", "X-Forwarded-Host", "X-Secret", "Idempotency-Key")}
+        body = json.dumps({"id": charge, "request": request.decode("utf-8", "replace"), "seen": seen})
+        self.reply(201, body.encode())
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        # A proxy killed or cancelled mid-request closes the connection
+        # under a reply: expected here, not worth a traceback.
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
+
+def main():
+    server = Server(("127.0.0.1", 0), Handler)
+    print("PORT %d" % server.server_address[1], flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
