@@ -95,7 +95,7 @@ func TestShippedCodeImportsNoTestkit(t *testing.T) {
 		t.Skip("runs go list")
 	}
 	const root = "github.com/idempotency-go/idempotency"
-	out, err := exec.Command("go", "list", "-deps", root, root+"/postgres", root+"/grpc", root+"/gin", root+"/otel", root+"/idempotencytest").CombinedOutput()
+	out, err := exec.Command("go", "list", "-deps", root, root+"/postgres", root+"/grpc", root+"/gin", root+"/echo", root+"/otel", root+"/idempotencytest").CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	deps := strings.Fields(string(out))
 	require.Contains(t, deps, root+"/internal/wire", "go list listed no internal package")

@@ -20,7 +20,7 @@ func TestDocsShowTheExamples(t *testing.T) {
 	section, _, _ = strings.Cut(section, "\n## ")
 
 	var examples []string
-	for _, f := range []string{"chi_example_test.go", "echo_example_test.go", "../../gin/example_test.go"} {
+	for _, f := range []string{"chi_example_test.go", "echo_example_test.go", "../../gin/example_test.go", "../../echo/example_test.go"} {
 		src, err := os.ReadFile(f)
 		require.NoError(t, err)
 		examples = append(examples, lines(string(src)))
@@ -39,7 +39,7 @@ func TestDocsShowTheExamples(t *testing.T) {
 		}
 		assert.True(t, found, "no example holds the block:\n%s", block)
 	}
-	assert.Equal(t, 6, blocks, "Go blocks in the section")
+	assert.Equal(t, 5, blocks, "Go blocks in the section")
 }
 
 // lines is s with each line trimmed of its indentation, between newlines,

@@ -10,25 +10,12 @@ import (
 	"github.com/labstack/echo/v4/middleware"
 
 	"github.com/idempotency-go/idempotency"
+	idempotencyecho "github.com/idempotency-go/idempotency/echo"
 )
 
-// answerErrors answers a handler's error inside the guard, with echo's
-// HTTPErrorHandler, so that the answer stored (or released, for a 5xx) is
-// the one the client gets. Echo answers a returned error only once every
-// middleware has returned: the guard would have stored and sent an empty
-// 200 by then.
-func answerErrors(next echo.HandlerFunc) echo.HandlerFunc {
-	return func(c echo.Context) error {
-		if err := next(c); err != nil {
-			c.Error(err)
-		}
-		return nil
-	}
-}
-
-// Echo takes the middleware through echo.WrapMiddleware. The handler's
-// errors and panics are answered inside it, by answerErrors and
-// middleware.Recover after it.
+// Echo takes the adapter, github.com/idempotency-go/idempotency/echo, which
+// answers a handler's returned error inside the middleware, and hands a
+// panic to the Recover before it.
 func Example_echo() {
 	guard := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
 	charges := 0
@@ -46,12 +33,11 @@ func Example_echo() {
 		charges++
 		return c.JSON(http.StatusCreated, map[string]any{"id": fmt.Sprint("ch_", charges), "amount": in.Amount})
 	}
-	guarded := echo.WrapMiddleware(guard.Middleware(idempotency.MiddlewareOptions{
+	e := echo.New()
+	e.Use(middleware.Recover()) // before the adapter: a panic releases the key, then reaches it
+	e.POST("/v1/charges", createCharge, idempotencyecho.Middleware(guard, idempotency.MiddlewareOptions{
 		Scope: func(r *http.Request) (string, error) { return r.Header.Get("X-Account-ID"), nil },
 	}))
-	e := echo.New()
-	e.Use(middleware.Recover())
-	e.POST("/v1/charges", createCharge, guarded, answerErrors, middleware.Recover())
 
 	// The first attempt is refused, which forgets the key: the client may
 	// correct the request and send it again with the same key.

@@ -15,6 +15,8 @@ func newGuard() *idempotency.Guard {
 	return idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
 }
 
+var singleTenant = idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant}
+
 // post sends a JSON POST to h at path, with the key if there is one.
 func post(h http.Handler, path, key, body string) *httptest.ResponseRecorder {
 	req := httptest.NewRequest(http.MethodPost, path, strings.NewReader(body))

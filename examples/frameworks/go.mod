@@ -5,6 +5,7 @@ go 1.26.0
 require (
 	github.com/go-chi/chi/v5 v5.5.0
 	github.com/idempotency-go/idempotency v0.0.0
+	github.com/idempotency-go/idempotency/echo v0.0.0
 	github.com/labstack/echo/v4 v4.16.5
 	github.com/stretchr/testify v1.12.1
 )
@@ -27,3 +28,5 @@ require (
 )
 
 replace github.com/idempotency-go/idempotency => ../../
+
+replace github.com/idempotency-go/idempotency/echo => ../../echo
