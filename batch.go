@@ -54,6 +54,8 @@ type batchCall struct {
 	args []any
 	cmd  *redis.Cmd // the script's reply
 	acks *redis.Cmd // the reply of the WAIT for replicas sent after it, if any
+	// the reply of the WAITAOF sent after it, if any (RedisOptions.Fsync)
+	fsynced *redis.Cmd
 	// A queued call's context, whose values and deadline its pipeline
 	// takes, and the channel closed once the pipeline set its replies.
 	ctx     context.Context

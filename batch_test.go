@@ -27,7 +27,7 @@ func TestRedisBatchedCalls(t *testing.T) {
 // behind them, then opens it: the queue goes out as one pipeline, whose
 // scripts the server has just forgotten, and still every operation gets its
 // own reply, then every replay its own response. With o.Replicas set, the
-// pipeline ends with one WAIT.
+// pipeline ends with one WAIT; with o.Fsync, with one WAITAOF.
 func batchedCalls(t *testing.T, c redis.UniversalClient, o RedisOptions, flush func(context.Context) error) {
 	const n = 40
 	ctx := context.Background()
@@ -38,10 +38,10 @@ func batchedCalls(t *testing.T, c redis.UniversalClient, o RedisOptions, flush f
 	t.Cleanup(func() { s.Close() })
 	guard := New(s, Options{})
 	batcher := s.batch
-	if o.Replicas > 0 {
+	if o.Replicas > 0 || o.Fsync.on() {
 		node, err := s.master(ctx, "")
 		require.NoError(t, err)
-		batcher = s.confirmedBatcher(node)
+		batcher = s.confirmedNode(node).batch
 	}
 	key := func(i int) (Key, Fingerprint) {
 		k := Key{Scope: "batch", Name: fmt.Sprint("k", i)}
@@ -73,7 +73,14 @@ func batchedCalls(t *testing.T, c redis.UniversalClient, o RedisOptions, flush f
 	}
 	run(false)
 	assert.Equal(t, int64(n-maxFlying), g.first.Load(), "the queued claims went out in one pipeline")
-	assert.Equal(t, o.Replicas > 0, g.firstWaited.Load(), "the pipeline ends with WAIT")
+	var waits []string
+	if o.Replicas > 0 {
+		waits = append(waits, "wait")
+	}
+	if o.Fsync.on() {
+		waits = append(waits, "waitaof")
+	}
+	assert.Equal(t, waits, g.firstWaits, "the commands that end the pipeline, once each")
 	run(true)
 }
 
@@ -81,11 +88,11 @@ func batchedCalls(t *testing.T, c redis.UniversalClient, o RedisOptions, flush f
 // with its WAIT) until open is closed, and runs flush before the first
 // pipeline of several scripts.
 type sendGate struct {
-	open        chan struct{}
-	held        atomic.Int64
-	flush       func(context.Context) error
-	first       atomic.Int64 // the scripts in the first pipeline of several
-	firstWaited atomic.Bool  // that pipeline ended with WAIT
+	open       chan struct{}
+	held       atomic.Int64
+	flush      func(context.Context) error
+	first      atomic.Int64 // the scripts in the first pipeline of several
+	firstWaits []string     // the commands after that pipeline's scripts, set before its send
 }
 
 func (g *sendGate) DialHook(next redis.DialHook) redis.DialHook {
@@ -117,7 +124,11 @@ func (g *sendGate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 			g.held.Add(1)
 			<-g.open
 		case scripts > 1 && g.first.CompareAndSwap(0, int64(scripts)):
-			g.firstWaited.Store(cmds[len(cmds)-1].Name() == "wait")
+			for _, cmd := range cmds {
+				if cmd.Name() != "evalsha" {
+					g.firstWaits = append(g.firstWaits, cmd.Name())
+				}
+			}
 			if err := g.flush(ctx); err != nil {
 				return err
 			}

@@ -33,6 +33,14 @@ func ExampleNewRedisStore() {
 	if err := store.CheckEviction(ctx); err != nil {
 		panic(err)
 	}
+	// Nor on one that a restart empties (appendonly no), unless a second
+	// charge after a restart of Redis is acceptable: then let
+	// errors.Is(err, idempotency.ErrNoPersistence) pass.
+	keeps, err := store.CheckPersistence(ctx)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(keeps) // what a restart keeps, or "cannot tell", and why
 	guard := idempotency.New(store, idempotency.Options{})
 	_ = guard // guard.Middleware, guard.Do
 }

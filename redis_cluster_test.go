@@ -30,6 +30,8 @@ func ClusterTests(t *testing.T, cl *testserver.Cluster) {
 	})
 	t.Run("ConcurrentDuplicates", func(t *testing.T) { clusterDuplicates(t, cl) })
 	t.Run("CheckEviction", func(t *testing.T) { clusterCheckEviction(t, cl) })
+	t.Run("CheckPersistence", func(t *testing.T) { clusterCheckPersistence(t, cl) })
+	t.Run("Fsync", func(t *testing.T) { clusterFsync(t, cl) })
 	t.Run("BatchedCalls", func(t *testing.T) {
 		cc := cl.Client()
 		batchedCalls(t, cc, RedisOptions{}, func(ctx context.Context) error {

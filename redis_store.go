@@ -122,6 +122,20 @@ type RedisOptions struct {
 	// ReplicaTimeout bounds each wait for Replicas; it must be below the
 	// client's ReadTimeout. Default 1s.
 	ReplicaTimeout time.Duration
+	// Fsync, when set, has the writes that Replicas covers (a claim that
+	// makes the caller the owner, a completion, a release, a saved recovery
+	// point) wait until they are in the append-only file on disk, fsynced,
+	// on the record's master and on as many of its replicas as it says
+	// (Redis WAITAOF, Redis 7.2 or later and Valkey 8: one after the
+	// scripts sent together to a master, so that they share one fsync), so
+	// that a power loss or an operating system's crash cannot undo them.
+	// When the servers do not confirm within Fsync.Timeout, the call fails
+	// with ErrUnavailable and the operation does not run, as with Replicas.
+	// A master that cannot wait for its append-only file (appendonly no,
+	// appendfsync no, a server without WAITAOF) is refused with an error
+	// that names it, by CheckPersistence and by the store's first call to
+	// it, which then sends it nothing. Default: nothing waits for the disk.
+	Fsync Fsync
 	// CompressAbove, when above 0, stores a response whose body is larger
 	// than that many bytes compressed (DEFLATE, fastest level), when that
 	// makes it smaller: a 10 KiB JSON body takes about a third of its
@@ -154,7 +168,8 @@ type RedisOptions struct {
 // socket deadlines off, the context's too). A go-redis hook runs within
 // those calls: one that ignores its context's deadline holds them as long.
 // With RedisOptions.Replicas set, the scripts sent together to a master
-// share the one WAIT that follows them.
+// share the one WAIT that follows them; with RedisOptions.Fsync, the one
+// WAITAOF.
 //
 // Waiters are woken by pub/sub: one connection per store on standalone
 // Redis, and on a cluster sharded pub/sub with one connection per master,
@@ -166,10 +181,11 @@ type RedisStore struct {
 	scripts scripts
 	pubsub  *pubsub
 	batch   *batcher
-	// replicated holds, with Replicas set, the batcher of each master (a
-	// *redis.Client) whose batches end with a WAIT for replicas.
-	replicated sync.Map
-	buckets    [buckets]bucketKeys
+	// confirmed holds, with Replicas or Fsync set, a *confirmedNode for
+	// each master (a *redis.Client): its batcher, whose batches end with a
+	// WAIT for replicas or a WAITAOF.
+	confirmed sync.Map
+	buckets   [buckets]bucketKeys
 	// endsByDeadline: the client, a *redis.Client, honours its calls'
 	// deadlines (ContextTimeoutEnabled, with socket deadlines not turned
 	// off by a ReadTimeout or WriteTimeout of -2), and so do the batchers.
@@ -177,6 +193,7 @@ type RedisStore struct {
 
 	replicas       int
 	replicaTimeout time.Duration
+	fsync          Fsync
 	// compressAbove is RedisOptions.CompressAbove; compressors holds
 	// *flate.Writer values for it to reuse.
 	compressAbove int
@@ -195,8 +212,11 @@ type RedisStore struct {
 // Any other client, such as a *redis.Ring, which spreads one record's
 // channel and keys by its own rules, or a type wrapping a client, is
 // refused; instrument a client with go-redis hooks (AddHook) instead of
-// wrapping it. NewRedisStore also refuses a Prefix holding a brace, and,
-// with Replicas set, a ReplicaTimeout not below c's ReadTimeout.
+// wrapping it. NewRedisStore also refuses a Prefix holding a brace, a
+// negative Replicas or Fsync.Replicas, and waits (ReplicaTimeout with
+// Replicas set, Fsync.Timeout with Fsync set, or both added up) not below
+// c's ReadTimeout. It does not reach the servers: CheckEviction and
+// CheckPersistence do, at start-up.
 // Close the store to release its pub/sub connections.
 func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error) {
 	if o.Prefix == "" {
@@ -205,11 +225,18 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 	if strings.ContainsAny(o.Prefix, "{}") {
 		return nil, fmt.Errorf("idempotency: RedisOptions.Prefix %q holds a brace, which would change the keys' hash slots", o.Prefix)
 	}
+	if o.Replicas < 0 || o.Fsync.Replicas < 0 {
+		return nil, fmt.Errorf("idempotency: RedisOptions asks for %d replicas and Fsync.Replicas %d; want 0 or more", o.Replicas, o.Fsync.Replicas)
+	}
 	if o.ReplicaTimeout <= 0 {
 		o.ReplicaTimeout = time.Second
 	}
-	// WAIT counts whole milliseconds, and 0 would wait for ever.
+	if o.Fsync.Timeout <= 0 {
+		o.Fsync.Timeout = time.Second
+	}
+	// WAIT and WAITAOF count whole milliseconds, and 0 would wait for ever.
 	o.ReplicaTimeout = max(o.ReplicaTimeout, time.Millisecond)
+	o.Fsync.Timeout = max(o.Fsync.Timeout, time.Millisecond)
 	s := &RedisStore{
 		c:      c,
 		prefix: o.Prefix,
@@ -226,6 +253,7 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 		},
 		replicas:       o.Replicas,
 		replicaTimeout: o.ReplicaTimeout,
+		fsync:          o.Fsync,
 		compressAbove:  o.CompressAbove,
 		batch:          &batcher{send: sendScripts(c)},
 	}
@@ -237,10 +265,21 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 	if err != nil {
 		return nil, err
 	}
-	// WAIT is read, pipelined, within the client's ReadTimeout; a read that
-	// times out would have go-redis run the script again.
-	if o.Replicas > 0 && readTimeout > 0 && o.ReplicaTimeout >= readTimeout {
-		return nil, fmt.Errorf("idempotency: RedisOptions.ReplicaTimeout %v is not below the client's ReadTimeout %v", o.ReplicaTimeout, readTimeout)
+	// WAIT and WAITAOF are read, pipelined, within the client's
+	// ReadTimeout; a read that times out would have go-redis run the
+	// scripts again.
+	var waits time.Duration
+	var named []string
+	if o.Replicas > 0 {
+		waits += o.ReplicaTimeout
+		named = append(named, fmt.Sprintf("ReplicaTimeout %v", o.ReplicaTimeout))
+	}
+	if o.Fsync.on() {
+		waits += o.Fsync.Timeout
+		named = append(named, fmt.Sprintf("Fsync.Timeout %v", o.Fsync.Timeout))
+	}
+	if waits > 0 && readTimeout > 0 && waits >= readTimeout {
+		return nil, fmt.Errorf("idempotency: RedisOptions.%s is not below the client's ReadTimeout %v", strings.Join(named, " plus "), readTimeout)
 	}
 	return s, nil
 }
@@ -281,14 +320,15 @@ func (s *RedisStore) Close() error { return s.pubsub.close() }
 // which go-redis holds a call on a silent connection for its own timeouts.
 func (s *RedisStore) EndsByDeadline(as Store) bool { return as == Store(s) && s.endsByDeadline }
 
-// Claim implements Store. With RedisOptions.Replicas set, a claim that
-// makes the caller the owner is confirmed by as many replicas before it is
-// returned. When it is not, the operation must not run, since a failover
-// could hand the record to a second owner, so Claim returns ErrUnavailable
-// and gives the record up at once rather than when the lease runs out: a
-// record it created is deleted, one it took over is released, and one whose
-// previous owner was abandoned stays abandoned, so that the next owner still
-// learns that an earlier attempt may have acted.
+// Claim implements Store. With RedisOptions.Replicas or Fsync set, a claim
+// that makes the caller the owner is confirmed by as many replicas, or
+// fsynced as asked, before it is returned. When it is not, the operation
+// must not run, since a failover or a restart could hand the record to a
+// second owner, so Claim returns ErrUnavailable and gives the record up at
+// once rather than when the lease runs out: a record it created is
+// deleted, one it took over is released, and one whose previous owner was
+// abandoned stays abandoned, so that the next owner still learns that an
+// earlier attempt may have acted.
 func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error) {
 	if l := len(req.OperationID); l == 0 || l > 255 {
 		// A record stores its length in one byte.
@@ -307,7 +347,7 @@ func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error)
 		return false
 	})
 	if err := cmd.Err(); err != nil {
-		return Claim{}, storeerr.Unavailable("claim", err)
+		return Claim{}, unavailable("claim", err)
 	}
 	c, err := parseClaim(cmd.Val(), req.OperationID)
 	if err != nil {
@@ -315,7 +355,7 @@ func (s *RedisStore) Claim(ctx context.Context, req ClaimRequest) (Claim, error)
 	}
 	if unconfirmed != nil {
 		s.giveUp(context.WithoutCancel(ctx), req.Key, c)
-		return Claim{}, storeerr.Unavailable("claim", unconfirmed)
+		return Claim{}, unavailable("claim", unconfirmed)
 	}
 	return c, nil
 }
@@ -328,47 +368,53 @@ func (s *RedisStore) giveUp(ctx context.Context, k Key, c Claim) {
 		_ = s.Abandon(ctx, k, c.Token)
 		return
 	}
-	// Not Release or Forget: their wait for replicas would fail as the
-	// claim's did. The release script forgets or releases as d says.
+	// Not Release or Forget: their wait for replicas or the disk would fail
+	// as the claim's did. The release script forgets or releases as d says.
 	_ = s.scripts.release.run(ctx, s.c, s.releaseArgs(k, c.Token, d == Forget))
 }
 
 // eval runs sc with args (made by sc.args) on the record they name,
 // through a batcher, and returns the script's reply, or its failure, in cmd.
 //
-// With RedisOptions.Replicas set, the script goes out in a pipeline that
-// ends with a WAIT for replicas, on a connection to the record's master,
-// since WAIT covers only the writes made on its own connection. If the
-// reply reports a change worth keeping (any reply that is not an error
-// when durable is nil, or one that durable accepts) and the replicas did
-// not confirm it, unconfirmed says why: a failover may lose that change.
+// With RedisOptions.Replicas or Fsync set, the script goes out in a
+// pipeline that ends with a WAIT for replicas and a WAITAOF, on a
+// connection to the record's master, since both cover only the writes made
+// on their own connection. If the reply reports a change worth keeping (any
+// reply that is not an error when durable is nil, or one that durable
+// accepts) and the replicas did not confirm it, or it was not fsynced as
+// asked, unconfirmed says why: a failover or a power loss may lose that
+// change. A master found unable to wait for its append-only file
+// (errCannotFsync) is sent nothing: cmd fails with that error.
 func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable func(*redis.Cmd) bool) (cmd *redis.Cmd, unconfirmed error) {
-	if s.replicas == 0 {
+	if s.replicas == 0 && !s.fsync.on() {
 		return s.batch.run(ctx, sc, args).cmd, nil
 	}
 	keep := func(cmd *redis.Cmd) bool { return cmd.Err() == nil && (durable == nil || durable(cmd)) }
 	// args[3], the first key, is a record's (see recordKeys).
 	node, err := s.master(ctx, *args[3].(*string))
 	if err != nil {
-		cmd = redis.NewCmd(ctx)
-		cmd.SetErr(err)
-		return cmd, nil
+		return failedCmd(err), nil
 	}
-	bc := s.confirmedBatcher(node).run(ctx, sc, args)
+	cn := s.confirmedNode(node)
+	if err := s.fsyncReady(ctx, node, cn); err != nil {
+		return failedCmd(err), nil
+	}
+	bc := cn.batch.run(ctx, sc, args)
 	if noScript(bc.cmd.Err()) {
 		sc.bySource(args)
 		bc = &batchCall{sc: sc, args: args}
 		s.sendConfirmed(node)(ctx, []*batchCall{bc})
 	}
-	cmd, acks := bc.cmd, bc.acks
+	cmd = bc.cmd
 	var reply redis.Error
 	switch err := cmd.Err(); {
 	case isRedirect(err):
 		// The slot is moving, and nothing ran. The cluster client follows
-		// it, but a WAIT there would not cover the script's connection.
+		// it, but a WAIT or WAITAOF there would not cover the script's
+		// connection.
 		cmd = sc.run(ctx, s.c, args)
 		if keep(cmd) {
-			return cmd, errors.New("replicas not asked: the record's slot is moving")
+			return cmd, errors.New("not confirmed: the record's slot is moving")
 		}
 		return cmd, nil
 	case err != nil && !errors.As(err, &reply):
@@ -379,43 +425,85 @@ func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable f
 	if !keep(cmd) {
 		return cmd, nil
 	}
-	switch n, err := acks.Int64(); {
+	return cmd, s.confirmation(ctx, node, cn, bc)
+}
+
+// confirmation judges the replies of the WAIT and the WAITAOF sent after
+// bc's script: nil when they confirm what RedisOptions asks.
+func (s *RedisStore) confirmation(ctx context.Context, node *redis.Client, cn *confirmedNode, bc *batchCall) error {
+	if s.replicas > 0 {
+		switch n, err := bc.acks.Int64(); {
+		case err != nil:
+			s.reloadIfReplica(ctx, err)
+			return fmt.Errorf("waiting for replicas: %w", err)
+		case n < int64(s.replicas):
+			return fmt.Errorf("%d of %d replicas acknowledged within %v", n, s.replicas, s.replicaTimeout)
+		}
+	}
+	if !s.fsync.on() {
+		return nil
+	}
+	v, err := bc.fsynced.Int64Slice()
+	switch {
 	case err != nil:
-		return cmd, fmt.Errorf("waiting for replicas: %w", err)
-	case n < int64(s.replicas):
-		return cmd, fmt.Errorf("%d of %d replicas acknowledged within %v", n, s.replicas, s.replicaTimeout)
+		if refused := s.fsyncRefusal(node, err); refused != nil {
+			cn.refuse(refused)
+			return refused
+		}
+		s.reloadIfReplica(ctx, err)
+		return fmt.Errorf("waiting for the append-only file: %w", err)
+	case len(v) != 2:
+		return fmt.Errorf("unexpected WAITAOF reply %v", v)
+	case v[0] < int64(s.fsync.local()) || v[1] < int64(s.fsync.Replicas):
+		return fmt.Errorf("the append-only file fsynced on %d of %d masters and %d of %d replicas within %v",
+			v[0], s.fsync.local(), v[1], s.fsync.Replicas, s.fsync.Timeout)
 	}
-	return cmd, nil
+	return nil
 }
 
-// confirmedBatcher returns the batcher that sends scripts with WAIT on node,
-// a master: one per master, since WAIT covers only the writes of its own
-// connection.
-func (s *RedisStore) confirmedBatcher(node *redis.Client) *batcher {
-	if b, ok := s.replicated.Load(node); ok {
-		return b.(*batcher)
+// reloadIfReplica refreshes the cluster's slot map when err, the reply to
+// a WAIT or WAITAOF, says that the node the store took for a master is a
+// replica now: a failover moved its slots.
+func (s *RedisStore) reloadIfReplica(ctx context.Context, err error) {
+	if strings.Contains(err.Error(), "replica") {
+		s.reload(ctx)
 	}
-	b, _ := s.replicated.LoadOrStore(node, &batcher{send: s.sendConfirmed(node)})
-	return b.(*batcher)
 }
 
-// sendConfirmed sends batches on node, a master, each in one pipeline with one
-// WAIT after its scripts, which go-redis writes on one connection: WAIT
-// covers every write made before it on its connection, so one confirms
-// them all. A WAIT after scripts that wrote nothing returns at once, unless
-// replicas are missing or lag.
+// sendConfirmed sends batches on node, a master, each in one pipeline with
+// one WAIT and one WAITAOF after its scripts, as RedisOptions asks, which
+// go-redis writes on one connection: each covers every write made before it
+// on its connection, so one confirms them all, and the scripts share one
+// fsync. A WAIT or WAITAOF after scripts that wrote nothing returns at
+// once, unless replicas are missing or lag.
 func (s *RedisStore) sendConfirmed(node *redis.Client) func(context.Context, []*batchCall) {
 	return func(ctx context.Context, batch []*batchCall) {
 		_, err := node.Pipelined(ctx, func(p redis.Pipeliner) error {
 			queueScripts(ctx, p, batch)
-			acks := p.Do(ctx, "WAIT", s.replicas, s.replicaTimeout.Milliseconds())
+			var acks, fsynced *redis.Cmd
+			if s.replicas > 0 {
+				acks = p.Do(ctx, "WAIT", s.replicas, s.replicaTimeout.Milliseconds())
+			}
+			if s.fsync.on() {
+				fsynced = p.Do(ctx, "WAITAOF", s.fsync.local(), s.fsync.Replicas, s.fsync.Timeout.Milliseconds())
+			}
 			for _, bc := range batch {
-				bc.acks = acks
+				bc.acks, bc.fsynced = acks, fsynced
 			}
 			return nil
 		})
 		unanswered(batch, err)
 	}
+}
+
+// unavailable is the failure of op, err: an error wrapping ErrUnavailable,
+// unless err says that RedisOptions.Fsync cannot be met, which no retry
+// mends.
+func unavailable(op string, err error) error {
+	if errors.Is(err, errCannotFsync) {
+		return fmt.Errorf("%s: %w", op, err)
+	}
+	return storeerr.Unavailable(op, err)
 }
 
 // isRedirect reports a cluster's MOVED or ASK reply: the command did not
@@ -539,7 +627,7 @@ func settled(op string, cmd *redis.Cmd, unconfirmed error) error {
 		return err
 	}
 	if unconfirmed != nil {
-		return storeerr.Unavailable(op, unconfirmed)
+		return unavailable(op, unconfirmed)
 	}
 	return nil
 }
@@ -703,6 +791,26 @@ func evicts(addr string, memory map[string]string) error {
 	return fmt.Errorf("%s evicts under maxmemory %s bytes by maxmemory-policy %s; set it to noeviction", addr, limit, policy)
 }
 
+const (
+	// SurvivalUnknown: a server would not say (it refuses CONFIG or INFO,
+	// as managed services often do).
+	SurvivalUnknown Survival = iota
+	// SurvivesNothing: appendonly no. A restart keeps at most the last
+	// RDB snapshot, without the records written since.
+	SurvivesNothing
+	// SurvivesProcessCrash: appendonly yes with appendfsync everysec (or
+	// no): a restart after the server's process was killed keeps every
+	// write; a power loss or an operating system's crash can lose about
+	// the last second of them (with no, whatever the system had not yet
+	// written out).
+	SurvivesProcessCrash
+	// SurvivesPowerLoss: every write the store was answered is on disk:
+	// appendonly yes with appendfsync always, or, on a master,
+	// appendfsync everysec with RedisOptions.Fsync.Master, which has the
+	// writes that decide an operation wait for the fsync.
+	SurvivesPowerLoss
+)
+
 // ListAbandoned implements Store: one script per bucket, all in one pipeline,
 // merged oldest lease first.
 func (s *RedisStore) ListAbandoned(ctx context.Context, limit int) ([]AbandonedRecord, error) {
@@ -829,5 +937,5 @@ func fenced(op string, err error) error {
 	case errors.As(err, &re) && strings.HasPrefix(re.Error(), "FENCED"):
 		return storeerr.Fenced(op)
 	}
-	return storeerr.Unavailable(op, err)
+	return unavailable(op, err)
 }

@@ -11,7 +11,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
+	"strings"
 	"testing"
+
+	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
 // Env is the environment variable naming the file entries are appended to.
@@ -26,6 +30,12 @@ type Entry struct {
 	// Store is the store the test ran against: "memory", "redis",
 	// "redis-cluster", "postgres".
 	Store string `json:"store,omitempty"`
+	// Server is the server a Redis store ran against when it was not
+	// redis-server: the one $IDEMPOTENCY_REDIS_SERVER names
+	// (testserver.RedisServerEnv), say "valkey-server". Write fills it in
+	// for a Store whose name starts with "redis", so that the summary
+	// counts a run on Valkey apart from one on Redis.
+	Server string `json:"server,omitempty"`
 	// Case names the test or the scenario.
 	Case string `json:"case,omitempty"`
 	// Faults counts the faults injected, by kind ("latency", "reset",
@@ -72,6 +82,11 @@ func Write(e Entry) error {
 	path := os.Getenv(Env)
 	if path == "" {
 		return nil
+	}
+	if e.Server == "" && strings.HasPrefix(e.Store, "redis") {
+		if bin := filepath.Base(testserver.RedisServer()); bin != "redis-server" {
+			e.Server = bin
+		}
 	}
 	line, err := json.Marshal(e)
 	if err != nil {

@@ -20,7 +20,8 @@ import (
 // does not see spurious failovers.
 const DefaultNodeTimeout = 2 * time.Second
 
-// Cluster is a Redis Cluster of redis-server processes owned by one test.
+// Cluster is a Redis Cluster of redis-server processes (or of the server
+// RedisServerEnv names) owned by one test.
 type Cluster struct {
 	// Addrs lists every node's address, masters and replicas, in start order.
 	Addrs []string
@@ -71,7 +72,8 @@ func StartClusterWith(t testing.TB, cfg ClusterConfig) *Cluster {
 	if cfg.NodeTimeout <= 0 {
 		cfg.NodeTimeout = DefaultNodeTimeout
 	}
-	cli := lookBinary(t, "redis-cli", redisHint)
+	cli := redisCLI(RedisServer())
+	cli = lookBinary(t, cli, redisHint(cli))
 
 	c := &Cluster{t: t, NodeTimeout: cfg.NodeTimeout, ids: map[*Redis]string{}}
 	n := cfg.Masters * (1 + cfg.ReplicasPerMaster)
@@ -103,7 +105,7 @@ func StartClusterWith(t testing.TB, cfg ClusterConfig) *Cluster {
 	cmd.SysProcAttr = newProcAttr()
 	cmd.WaitDelay = time.Second
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("testserver: redis-cli --cluster create: %v\n%s", err, tail(out, 8<<10))
+		t.Fatalf("testserver: %s --cluster create: %v\n%s", filepath.Base(cli), err, tail(out, 8<<10))
 	}
 
 	for _, node := range c.Nodes {

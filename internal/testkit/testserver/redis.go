@@ -18,11 +18,46 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-const redisHint = "install Redis 7 (Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis)"
+// RedisServerEnv is the environment variable that picks the server binary
+// StartRedis, LaunchRedis and StartCluster run: a name on PATH or a path,
+// such as valkey-server; redis-server when it is unset or empty. The
+// cluster is created with the command-line tool of the same name ending in
+// -cli (valkey-cli), found beside the server when the variable holds a path.
+const RedisServerEnv = "IDEMPOTENCY_REDIS_SERVER"
 
-// Redis is a redis-server process owned by one test (StartRedis), or by a
-// program until it calls stop (LaunchRedis). It is killed and its directory
-// removed when the test ends, or by stop.
+// RedisServer returns the server binary the starters run:
+// $IDEMPOTENCY_REDIS_SERVER, or redis-server.
+func RedisServer() string {
+	if s := os.Getenv(RedisServerEnv); s != "" {
+		return s
+	}
+	return "redis-server"
+}
+
+// redisCLI returns the command-line tool that goes with server:
+// valkey-cli for valkey-server, in the same directory when server is a
+// path; redis-cli for a server whose name does not end in -server.
+func redisCLI(server string) string {
+	dir, base := filepath.Split(server)
+	name, ok := strings.CutSuffix(base, "-server")
+	if !ok {
+		return "redis-cli"
+	}
+	return dir + name + "-cli"
+}
+
+// redisHint says how to install name, the server or its tool.
+func redisHint(name string) string {
+	if strings.HasPrefix(filepath.Base(name), "valkey-") {
+		return "install Valkey 8 (Debian bookworm: apt-get install -t bookworm-backports valkey-server; macOS: brew install valkey)"
+	}
+	return "install Redis 7 (Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis), or name another server in " + RedisServerEnv
+}
+
+// Redis is a redis-server process (or the server RedisServerEnv names) owned
+// by one test (StartRedis), or by a program until it calls stop
+// (LaunchRedis). It is killed and its directory removed when the test ends,
+// or by stop.
 type Redis struct {
 	// Addr is "127.0.0.1:port"; it stays the same across Restart.
 	Addr string
@@ -63,11 +98,18 @@ func StartRedis(t testing.TB, extraArgs ...string) *Redis {
 // runs until stop, which kills it and removes its directory, is called.
 // Methods that take a testing.TB report to the one they are given.
 func LaunchRedis(extraArgs ...string) (r *Redis, stop func() error, err error) {
+	return LaunchServer(RedisServer(), extraArgs...)
+}
+
+// LaunchServer is LaunchRedis with the server binary server (a name on
+// PATH or a path), whatever RedisServerEnv says: a program that measures
+// two servers side by side starts each by name.
+func LaunchServer(server string, extraArgs ...string) (r *Redis, stop func() error, err error) {
 	dir, err := os.MkdirTemp("", "testserver-redis-")
 	if err != nil {
 		return nil, nil, fmt.Errorf("testserver: %w", err)
 	}
-	r, err = launchRedis(dir, 1, func([]int, string) []string { return extraArgs })
+	r, err = launchRedis(dir, server, 1, func([]int, string) []string { return extraArgs })
 	if err != nil {
 		return nil, nil, errors.Join(err, os.RemoveAll(dir))
 	}
@@ -78,7 +120,7 @@ func LaunchRedis(extraArgs ...string) (r *Redis, stop func() error, err error) {
 func startRedis(t testing.TB, nports int, extra func(ports []int, dir string) []string) *Redis {
 	t.Helper()
 	dir := t.TempDir()
-	r, err := launchRedis(dir, nports, extra)
+	r, err := launchRedis(dir, RedisServer(), nports, extra)
 	if err != nil {
 		fail(t, err)
 	}
@@ -102,8 +144,8 @@ func startRedis(t testing.TB, nports int, extra func(ports []int, dir string) []
 // A bind conflict, which happens when another process grabs a port between
 // freePorts and the server's bind, is retried with new ports. On error no
 // server runs.
-func launchRedis(dir string, nports int, extra func(ports []int, dir string) []string) (*Redis, error) {
-	bin, err := findBinary("redis-server", redisHint)
+func launchRedis(dir, server string, nports int, extra func(ports []int, dir string) []string) (*Redis, error) {
+	bin, err := findBinary(server, redisHint(server))
 	if err != nil {
 		return nil, err
 	}
@@ -134,7 +176,7 @@ func launchRedis(dir string, nports int, extra func(ports []int, dir string) []s
 			return r, nil
 		}
 		if !addrInUse(r.logPath) || attempt == attempts {
-			return nil, fmt.Errorf("testserver: redis-server on %s did not start: %v\n%s", r.Addr, err, readLog(r.logPath))
+			return nil, fmt.Errorf("testserver: %s on %s did not start: %v\n%s", filepath.Base(r.bin), r.Addr, err, readLog(r.logPath))
 		}
 	}
 }
@@ -182,7 +224,7 @@ func waitRedis(addr string, p *redisProc) error {
 	for {
 		select {
 		case <-p.done:
-			return fmt.Errorf("redis-server exited: %v", p.err)
+			return fmt.Errorf("the server exited: %v", p.err)
 		default:
 		}
 		if last = pingRedis(addr); last == nil {
@@ -241,7 +283,7 @@ func (r *Redis) kill() error {
 	case <-p.done:
 		return nil
 	case <-time.After(10 * time.Second):
-		return errors.New("redis-server did not exit 10 s after SIGKILL")
+		return errors.New("the server did not exit 10 s after SIGKILL")
 	}
 }
 
@@ -290,7 +332,7 @@ func (r *Redis) Restart(t testing.TB) {
 			return
 		}
 		if !addrInUse(r.logPath) || attempt == attempts {
-			t.Fatalf("testserver: restarting redis-server on %s: %v\n%s", r.Addr, err, readLog(r.logPath))
+			t.Fatalf("testserver: restarting %s on %s: %v\n%s", filepath.Base(r.bin), r.Addr, err, readLog(r.logPath))
 		}
 		time.Sleep(300 * time.Millisecond)
 	}

@@ -3,6 +3,10 @@
 // the test ends. LaunchRedis and LaunchPostgres do the same for programs
 // that are not tests, such as the benchmark, and return errors instead.
 //
+// IDEMPOTENCY_REDIS_SERVER=valkey-server (RedisServerEnv) runs another
+// Redis-compatible server in place of redis-server, standalone and in a
+// cluster, with its own command-line tool (valkey-cli).
+//
 // A missing server binary skips the test with a message naming the binary and
 // how to install it, unless IDEMPOTENCY_REQUIRE_SERVERS=1, in which case the
 // test fails: CI sets it so that a broken image cannot turn the real-server

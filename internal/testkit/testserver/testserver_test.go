@@ -357,3 +357,22 @@ func (r *recorder) run(f func()) {
 	}()
 	f()
 }
+
+// IDEMPOTENCY_REDIS_SERVER picks the server, and with it its tool.
+func TestRedisServerEnv(t *testing.T) {
+	t.Setenv(RedisServerEnv, "")
+	assert.Equal(t, "redis-server", RedisServer())
+	assert.Equal(t, "redis-cli", redisCLI(RedisServer()))
+	t.Setenv(RedisServerEnv, "valkey-server")
+	assert.Equal(t, "valkey-server", RedisServer())
+	assert.Equal(t, "valkey-cli", redisCLI(RedisServer()))
+	assert.Contains(t, redisHint("valkey-cli"), "valkey-server")
+	assert.Equal(t, "/opt/valkey/bin/valkey-cli", redisCLI("/opt/valkey/bin/valkey-server"))
+	assert.Equal(t, "redis-cli", redisCLI("/usr/local/bin/keydb"))
+
+	t.Setenv(RedisServerEnv, "testserver-no-such-server")
+	t.Setenv(RequireEnv, "")
+	rec := &recorder{TB: t}
+	rec.run(func() { StartRedis(rec) })
+	assert.Contains(t, rec.skipped, "testserver-no-such-server", "the server named is the one looked for")
+}

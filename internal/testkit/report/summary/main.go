@@ -2,7 +2,10 @@
 // the tests appended to (see package report), and exits with status 1 if it
 // shows a double execution, a lost or replaced completion, a stranded waiter
 // or a history that is not linearizable, or if a suite named by -require
-// left no entry (its tests were skipped, say).
+// left no entry (its tests were skipped, say). Entries are added up by
+// suite, store and server: a Redis store's run on Valkey is a line of its
+// own, and -require names a suite on a server as suite@server
+// (restarts@valkey-server).
 //
 //	IDEMPOTENCY_REPORT=/tmp/r go test ./...
 //	go run ./internal/testkit/report/summary [-require faults,soak,...] /tmp/r
@@ -50,11 +53,15 @@ func main() {
 }
 
 // absent returns the suites of the comma-separated list required that no
-// entry comes from.
+// entry comes from; suite@server asks for an entry of the suite from that
+// server (Entry.Server).
 func absent(entries []report.Entry, required string) []string {
 	seen := map[string]bool{}
 	for _, e := range entries {
 		seen[e.Suite] = true
+		if e.Server != "" {
+			seen[e.Suite+"@"+e.Server] = true
+		}
 	}
 	var missing []string
 	for _, s := range strings.Split(required, ",") {
@@ -101,10 +108,14 @@ func summarize(w io.Writer, entries []report.Entry) bool {
 			fuzzExecs += e.FuzzExecs
 			continue
 		}
-		k := [2]string{e.Suite, e.Store}
+		store := e.Store
+		if e.Server != "" {
+			store += " (" + e.Server + ")"
+		}
+		k := [2]string{e.Suite, store}
 		g := groups[k]
 		if g == nil {
-			g = &group{suite: e.Suite, store: e.Store, faults: map[string]int{}, verdicts: map[string]int{}}
+			g = &group{suite: e.Suite, store: store, faults: map[string]int{}, verdicts: map[string]int{}}
 			groups[k] = g
 		}
 		g.cases++
@@ -123,10 +134,10 @@ func summarize(w io.Writer, entries []report.Entry) bool {
 		// A group's peak heap is the largest of its cases': each case's
 		// own gets a line.
 		if e.PeakHeap > 0 {
-			notes = append(notes, fmt.Sprintf("%s/%s %s: peak heap %.1f MiB", e.Suite, e.Store, e.Case, float64(e.PeakHeap)/(1<<20)))
+			notes = append(notes, fmt.Sprintf("%s/%s %s: peak heap %.1f MiB", e.Suite, store, e.Case, float64(e.PeakHeap)/(1<<20)))
 		}
 		if e.Notes != "" {
-			notes = append(notes, fmt.Sprintf("%s/%s %s: %s", e.Suite, e.Store, e.Case, e.Notes))
+			notes = append(notes, fmt.Sprintf("%s/%s %s: %s", e.Suite, store, e.Case, e.Notes))
 		}
 	}
 	keys := make([][2]string, 0, len(groups))
@@ -143,8 +154,12 @@ func summarize(w io.Writer, entries []report.Entry) bool {
 	ok := true
 	var double, lost, stranded, histories int
 	fmt.Fprintln(w, "reliability summary")
-	fmt.Fprintf(w, "%-13s %-14s %5s %10s %10s %6s %5s %8s  %s\n",
-		"suite", "store", "cases", "operations", "duplicates", "double", "lost", "stranded", "faults / verdicts / peak heap")
+	width := len("store")
+	for k := range groups {
+		width = max(width, len(k[1]))
+	}
+	fmt.Fprintf(w, "%-13s %-*s %5s %10s %10s %6s %5s %8s  %s\n",
+		"suite", width, "store", "cases", "operations", "duplicates", "double", "lost", "stranded", "faults / verdicts / peak heap")
 	for _, k := range keys {
 		g := groups[k]
 		var extra []string
@@ -163,8 +178,8 @@ func summarize(w io.Writer, entries []report.Entry) bool {
 		if g.PeakHeap > 0 {
 			extra = append(extra, fmt.Sprintf("peak heap %.1f MiB", float64(g.PeakHeap)/(1<<20)))
 		}
-		fmt.Fprintf(w, "%-13s %-14s %5d %10d %10d %6d %5d %8d  %s\n",
-			g.suite, g.store, g.cases, g.Operations, g.Duplicates,
+		fmt.Fprintf(w, "%-13s %-*s %5d %10d %10d %6d %5d %8d  %s\n",
+			g.suite, width, g.store, g.cases, g.Operations, g.Duplicates,
 			g.DoubleExecutions, g.LostCompletions, g.StrandedWaiters, strings.Join(extra, "; "))
 		double += g.DoubleExecutions
 		lost += g.LostCompletions

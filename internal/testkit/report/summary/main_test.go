@@ -55,8 +55,32 @@ func TestReadRejectsGarbage(t *testing.T) {
 }
 
 func TestAbsent(t *testing.T) {
-	entries := []report.Entry{{Suite: "faults"}, {Suite: "fuzz"}, {Suite: "faults"}}
+	entries := []report.Entry{{Suite: "faults"}, {Suite: "fuzz"}, {Suite: "faults", Server: "valkey-server"}}
 	assert.Equal(t, []string{"soak", "restarts"}, absent(entries, "faults,soak,fuzz,restarts"))
-	assert.Empty(t, absent(entries, "fuzz,faults"))
+	assert.Empty(t, absent(entries, "fuzz,faults,faults@valkey-server"))
+	assert.Equal(t, []string{"fuzz@valkey-server"}, absent(entries, "fuzz@valkey-server"))
 	assert.Empty(t, absent(entries, ""))
+}
+
+// A Redis store's entries from another server are a line of their own,
+// which a failure on it fails like any other.
+func TestSummarizeByServer(t *testing.T) {
+	in := `{"suite":"restarts","store":"redis","operations":10}
+{"suite":"restarts","store":"redis","server":"valkey-server","operations":7,"notes":"n"}
+{"suite":"restarts","store":"redis-cluster","server":"valkey-server","operations":5}
+`
+	entries, err := read(strings.NewReader(in))
+	require.NoError(t, err)
+	var out strings.Builder
+	assert.True(t, summarize(&out, entries))
+	s := out.String()
+	assert.Regexp(t, `restarts\s+redis\s+1\s+10\s`, s)
+	assert.Regexp(t, `restarts\s+redis \(valkey-server\)\s+1\s+7\s`, s)
+	assert.Regexp(t, `restarts\s+redis-cluster \(valkey-server\)\s+1\s+5\s`, s)
+	assert.Contains(t, s, "note: restarts/redis (valkey-server) : n")
+
+	entries, err = read(strings.NewReader(`{"suite":"restarts","store":"redis","server":"valkey-server","lost_completions":1}` + "\n"))
+	require.NoError(t, err)
+	out.Reset()
+	assert.False(t, summarize(&out, entries))
 }
