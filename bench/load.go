@@ -199,8 +199,11 @@ func (c *crew) finish(elapsed time.Duration) result {
 
 // load runs op on concurrency goroutines: for warm (scripts loaded, pools
 // filled, nothing recorded), then for dur, recording every operation that
-// ends in that window; use is read at the window's two ends. progress is
-// called now and then with the time spent and the operations done so far.
+// ends in that window; use is read at the window's two ends. A window in
+// which no operation ended (a row slower than dur, such as one waiting for
+// a disk's fsync) goes on until one does, for at most 10 s more. progress
+// is called now and then with the time spent and the operations done so
+// far.
 func load(ctx context.Context, concurrency int, warm, dur time.Duration, op timedOp, use meter, progress func(time.Duration, uint64)) result {
 	c := startCrew(ctx, concurrency, op)
 	sleep(ctx, warm)
@@ -213,9 +216,10 @@ func load(ctx context.Context, concurrency int, warm, dur time.Duration, op time
 	tick := time.NewTicker(250 * time.Millisecond)
 	for end := start.Add(dur); ctx.Err() == nil; {
 		left := time.Until(end)
-		if left <= 0 {
+		if left <= 0 && (c.ops() > 0 || time.Since(start) > dur+maxWait) {
 			break
 		}
+		left = max(left, time.Millisecond)
 		select {
 		case <-tick.C:
 			progress(time.Since(start), c.ops())
@@ -248,6 +252,10 @@ func load(ctx context.Context, concurrency int, warm, dur time.Duration, op time
 	}
 	return r
 }
+
+// maxWait is how much longer than its duration a window waits for its
+// first operation to end.
+const maxWait = 10 * time.Second
 
 // sleep waits for d or until ctx is done.
 func sleep(ctx context.Context, d time.Duration) {

@@ -61,6 +61,7 @@ type config struct {
 	redisAddr   string
 	cluster     string
 	postgresDSN string
+	valkey      string        // a Valkey HOST:PORT with appendonly yes, for the durability rows
 	duration    time.Duration // of one run of one row
 	runs        int
 	concurrency int
@@ -78,6 +79,7 @@ func main() {
 	flag.StringVar(&cfg.redisAddr, "redis", "", "Redis `HOST:PORT` (default: start a throwaway redis-server)")
 	flag.StringVar(&cfg.cluster, "cluster", "", "Redis Cluster node addresses, `ADDR,...`")
 	flag.StringVar(&cfg.postgresDSN, "postgres", "", "PostgreSQL `DSN` (default: start a throwaway server if installed)")
+	flag.StringVar(&cfg.valkey, "valkey", "", "a Valkey 8 `HOST:PORT` with appendonly yes, for the durability rows (default: start a throwaway valkey-server, appendfsync everysec, if installed)")
 	flag.DurationVar(&cfg.duration, "duration", time.Second, "measuring time of one run of one row")
 	flag.IntVar(&cfg.runs, "runs", 3, "runs of every row, `N`: a row's figures are the medians over its runs")
 	flag.IntVar(&cfg.concurrency, "concurrency", 50, "concurrent operations per row")
@@ -141,6 +143,9 @@ type env struct {
 	pgNaive           *naive             // the PostgreSQL floors' table; nil without PostgreSQL
 	pgSkip, pgVersion string
 
+	valkeyGuard, fsyncGuard   *idempotency.Guard // nil without Valkey
+	valkeySkip, valkeyVersion string
+
 	http    *http.Client
 	httpURL string
 
@@ -167,6 +172,7 @@ func setup(ctx context.Context, cfg config, log io.Writer) (e *env, err error) {
 		return e, err
 	}
 	e.setupPostgres(ctx, cfg)
+	e.setupValkey(ctx, cfg)
 
 	rs, err := idempotency.NewRedisStore(e.redis, idempotency.RedisOptions{Replicas: cfg.replicas})
 	if err != nil {
@@ -801,6 +807,7 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 	} else {
 		fmt.Fprintf(w, "  %s\n", e.pgSkip)
 	}
+	fmt.Fprintf(w, "  %s\n", e.valkeyNote())
 	fmt.Fprintf(w, "  %d runs of %v per row, %d concurrent operations unless @1; client and servers share this machine\n", cfg.runs, cfg.duration, cfg.concurrency)
 	writeNeighbours(w, rep)
 }

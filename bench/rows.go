@@ -98,6 +98,12 @@ func (e *env) rows() []row {
 		{name: at1(pgNewOp), concurrency: 1, baseline: at1(pgTwoStatements), prepare: e.newOperation(e.pgGuard, e.pgSkip)},
 		{name: at1(pgOneSelect), concurrency: 1, prepare: e.pgOneSelectRow},
 		{name: at1(pgReplayOp), concurrency: 1, baseline: at1(pgOneSelect), prepare: e.replay(e.pgGuard, e.pgSkip)},
+		{name: valkeyNewOp, prepare: e.newOperation(e.valkeyGuard, e.valkeySkip),
+			footnote: "a new operation on valkey-server with appendonly yes, appendfsync everysec"},
+		{name: fsyncNewOp, baseline: valkeyNewOp, prepare: e.newOperation(e.fsyncGuard, e.valkeySkip),
+			footnote: "the same with RedisOptions.Fsync{Master: true}: the claim and the completion wait for the append-only file's fsync (WAITAOF), and survive a power loss"},
+		{name: at1(valkeyNewOp), concurrency: 1, prepare: e.newOperation(e.valkeyGuard, e.valkeySkip)},
+		{name: at1(fsyncNewOp), concurrency: 1, baseline: at1(valkeyNewOp), prepare: e.newOperation(e.fsyncGuard, e.valkeySkip)},
 		{name: "memory/new-operation", baseline: two, prepare: onMemory(e.newOperation)},
 		{name: "memory/replay", baseline: one, prepare: onMemory(e.replay)},
 	}
