@@ -18,6 +18,7 @@ import (
 // records spread over every master; then the store's own cluster tests run
 // on the same cluster (see idempotency.ClusterTests).
 func TestRedisCluster(t *testing.T) {
+	t.Parallel() // a server of its own: runs beside the other long suites
 	cl := testserver.StartCluster(t, 3, 1)
 	t.Run("Conformance", func(t *testing.T) {
 		cc := cl.Client()

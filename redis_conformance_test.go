@@ -67,12 +67,14 @@ func redisStore(t *testing.T, c redis.UniversalClient) *idempotency.RedisStore {
 }
 
 func TestRedisStoreConformanceMiniredis(t *testing.T) {
+	t.Parallel() // a server of its own: runs beside the other long suites
 	idempotencytest.Run(t, miniredisHarness)
 }
 
 // The conformance suite on a real redis-server, in real time, all cases on
 // one server and one store as in production.
 func TestRedisStoreConformance(t *testing.T) {
+	t.Parallel() // a server of its own: runs beside the other long suites
 	s := redisStore(t, testserver.StartRedis(t).Client())
 	idempotencytest.Run(t, func(t *testing.T) idempotencytest.Harness {
 		return idempotencytest.Harness{Store: s}
@@ -88,6 +90,7 @@ func TestMigrationToRedis(t *testing.T) {
 // from a MemoryStore to a redis-server, with DualWrite, so that every owner
 // holds both records and a silent store is met on both paths.
 func TestMigratingStoreConformance(t *testing.T) {
+	t.Parallel() // a server of its own: runs beside the other long suites
 	to := redisStore(t, testserver.StartRedis(t).Client())
 	from := idempotency.NewMemoryStore(idempotency.MemoryOptions{})
 	m := idempotency.NewMigratingStore(from, to, idempotency.MigrationOptions{DualWrite: true})

@@ -29,6 +29,7 @@ import (
 // and no operation runs. Run it on Valkey with
 // IDEMPOTENCY_REDIS_SERVER=valkey-server.
 func TestRedisRestart(t *testing.T) {
+	t.Parallel() // a server of its own: runs beside the other long suites
 	fsync := idempotency.RedisOptions{Fsync: idempotency.Fsync{Master: true}}
 	for _, c := range []struct {
 		name    string

@@ -9,7 +9,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -23,9 +23,9 @@ import (
 )
 
 // proxyProcess is `idempotency proxy` running as a process of its own, so
-// that it can be killed with SIGKILL and started again on its address.
+// that it can be killed with SIGKILL and started again on its address: this
+// test binary, which TestMain turns into the command.
 type proxyProcess struct {
-	bin    string
 	args   []string
 	addr   string // its clients' address, the same across restarts
 	mu     sync.Mutex
@@ -33,25 +33,22 @@ type proxyProcess struct {
 	stderr bytes.Buffer
 }
 
-// buildCommand builds this command once for t's test binary.
-var buildCommand = sync.OnceValues(func() (string, error) {
-	dir, err := os.MkdirTemp("", "idempotency-proxy")
-	if err != nil {
-		return "", err
+// asCommand in a test binary's environment makes it run as the command.
+const asCommand = "IDEMPOTENCY_TEST_BINARY_AS_COMMAND=1"
+
+// TestMain runs the command instead of the tests in a test binary started
+// with asCommand, so that a test can run the command as a process without
+// building it.
+func TestMain(m *testing.M) {
+	if slices.Contains(os.Environ(), asCommand) {
+		main()
 	}
-	bin := filepath.Join(dir, "idempotency")
-	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
-	if err != nil {
-		return "", fmt.Errorf("go build: %v\n%s", err, out)
-	}
-	return bin, nil
-})
+	os.Exit(m.Run())
+}
 
 func startProxyProcess(t *testing.T, storeFlags []string, u upstream, args ...string) *proxyProcess {
 	t.Helper()
-	bin, err := buildCommand()
-	require.NoError(t, err)
-	p := &proxyProcess{bin: bin, addr: "127.0.0.1:0",
+	p := &proxyProcess{addr: "127.0.0.1:0",
 		args: append(append(append([]string{}, storeFlags...), "proxy", "-upstream", u.url, "-admin-listen", "",
 			"-scope-header", "X-Account-ID"), args...)}
 	require.NoError(t, p.start())
@@ -68,7 +65,12 @@ func startProxyProcess(t *testing.T, storeFlags []string, u upstream, args ...st
 func (p *proxyProcess) start() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	cmd := exec.Command(p.bin, append(append([]string{}, p.args...), "-listen", p.addr)...)
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command(self, append(append([]string{}, p.args...), "-listen", p.addr)...)
+	cmd.Env = append(os.Environ(), asCommand)
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		return err
