@@ -629,7 +629,9 @@ func writeJSON(w io.Writer, rep *report) error {
 			OpsPerSecMin: round(ops.Min, 0),
 			OpsPerSecMax: round(ops.Max, 0),
 			CPU:          round(s.of(clientCPU).Median, 1),
-			ServerCPU:    known(s.of(serverCPU).Median, 1),
+		}
+		if onRedisServer(s.Name) {
+			j.ServerCPU = known(s.of(serverCPU).Median, 1)
 		}
 		j.RoundTrips = round(s.of(roundTrips).Median, 3)
 		others, steal := s.of(othersCPU), s.of(stealCPU)
@@ -667,6 +669,12 @@ func roundTrips(r *result) float64 { return r.RoundTrips }
 func othersCPU(r *result) float64  { return r.Others }
 func stealCPU(r *result) float64   { return r.Steal }
 
+// onRedisServer says whether a row runs on the redis-server whose CPU
+// serverCPU reads.
+func onRedisServer(name string) bool {
+	return !onPostgres(name) && !onValkey(name) && !strings.HasPrefix(name, "memory/")
+}
+
 func round(v float64, digits int) float64 {
 	p := math.Pow(10, float64(digits))
 	return math.Round(v*p) / p
@@ -699,7 +707,7 @@ func writeTable(w io.Writer, rep *report) {
 			ratio = fmt.Sprintf("%.2f × %s (%.2f–%.2f)", vs.Median, strings.TrimPrefix(b.Name, "baseline/"), vs.Min, vs.Max)
 		}
 		server := "-"
-		if v := s.of(serverCPU).Median; !math.IsNaN(v) && !onPostgres(s.Name) && !strings.HasPrefix(s.Name, "memory/") {
+		if v := s.of(serverCPU).Median; !math.IsNaN(v) && onRedisServer(s.Name) {
 			server = fmt.Sprintf("%.1f", v)
 		}
 		ops := s.ops()
@@ -814,12 +822,12 @@ func writeReport(w io.Writer, e *env, cfg config, rep *report) {
 
 // writeNeighbours says how much CPU the machine's other processes, and the
 // hypervisor's other machines, took during the runs: on a shared machine,
-// the largest source of noise. The postgres rows are left out, since there
-// the other processes include PostgreSQL.
+// the largest source of noise. The postgres and valkey rows are left out,
+// since there the other processes include their server.
 func writeNeighbours(w io.Writer, rep *report) {
 	var others, steal []float64
 	for _, s := range rep.rows {
-		if onPostgres(s.Name) {
+		if onPostgres(s.Name) || onValkey(s.Name) {
 			continue
 		}
 		for _, r := range s.Runs {

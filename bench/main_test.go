@@ -133,6 +133,11 @@ func TestRun(t *testing.T) {
 	assert.InDelta(t, 2, httpTwo.Commands["evalsha"].Calls, blur(httpTwo))
 	assert.Empty(t, rows["baseline/http"].Commands["evalsha"])
 	assert.Zero(t, rows["memory/new-operation"].RoundTrips)
+	// redis-server's CPU only for the rows that run on it.
+	assert.NotNil(t, rows["redis/new-operation"].ServerCPU)
+	for _, name := range []string{"postgres/new-operation", "valkey/new-operation", "memory/new-operation"} {
+		assert.Nil(t, rows[name].ServerCPU, name)
+	}
 
 	report := stderr.String()
 	assert.NotContains(t, report, "FAILED")

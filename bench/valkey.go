@@ -20,6 +20,10 @@ const (
 	fsyncNewOp  = "valkey/new-operation+fsync"
 )
 
+// onValkey says whether a row runs on the Valkey server, whose CPU is
+// another process's to the bench.
+func onValkey(name string) bool { return strings.HasPrefix(name, "valkey/") }
+
 // setupValkey connects to cfg.valkey, or starts a throwaway valkey-server
 // with appendonly yes and appendfsync everysec; on failure the durability
 // rows are skipped, with valkeySkip saying why.
