@@ -119,6 +119,7 @@ func testOwnerWriteInTxLostStatement(t *testing.T, f *fixture) {
 // A pool that runs every statement unprepared (as for a transaction-pooling
 // proxy) keeps the contract, and the Store prepares nothing on it.
 func testSimpleProtocolPool(t *testing.T, f *fixture) {
+	t.Parallel() // beside Conformance, on a pool of its own
 	pool, _ := onePool(t, f, func(cfg *pgxpool.Config) {
 		cfg.MaxConns = 4
 		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol

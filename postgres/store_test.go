@@ -47,6 +47,7 @@ func TestStore(t *testing.T) {
 		run  func(*testing.T, *fixture)
 	}{
 		{"Conformance", func(t *testing.T, f *fixture) {
+			t.Parallel() // beside SimpleProtocolPool, which has a pool of its own
 			idempotencytest.Run(t, func(t *testing.T) idempotencytest.Harness {
 				s, _ := f.store(t)
 				return idempotencytest.Harness{Store: s}
