@@ -253,14 +253,7 @@ func (s *RedisStore) CheckPersistence(ctx context.Context) (Persistence, error) 
 		}
 		return nil
 	}
-	var err error
-	switch c := s.c.(type) {
-	case *redis.ClusterClient:
-		err = c.ForEachShard(ctx, check)
-	case *redis.Client:
-		err = check(ctx, c)
-	}
-	if err != nil {
+	if err := s.eachServer(ctx, check); err != nil {
 		return Persistence{}, err
 	}
 	slices.SortFunc(answers, func(a, b persisted) int { return strings.Compare(a.addr, b.addr) })

@@ -725,6 +725,19 @@ func (s *RedisStore) Stats(ctx context.Context) (Stats, error) {
 	return st, nil
 }
 
+// eachServer calls check for every node of a cluster, replicas too (at once,
+// so check guards what it shares), or for the server a *redis.Client talks
+// to, and returns the first error.
+func (s *RedisStore) eachServer(ctx context.Context, check func(context.Context, *redis.Client) error) error {
+	switch c := s.c.(type) {
+	case *redis.ClusterClient:
+		return c.ForEachShard(ctx, check)
+	case *redis.Client:
+		return check(ctx, c)
+	}
+	return nil
+}
+
 // CheckEviction reports whether the servers keep the store's keys until
 // they expire. Under a maxmemory limit Redis evicts keys by its
 // maxmemory-policy, and only noeviction keeps them: any other policy may
@@ -762,14 +775,7 @@ func (s *RedisStore) CheckEviction(ctx context.Context) error {
 		}
 		return nil
 	}
-	var err error
-	switch c := s.c.(type) {
-	case *redis.ClusterClient:
-		err = c.ForEachShard(ctx, check)
-	case *redis.Client:
-		err = check(ctx, c)
-	}
-	if err != nil {
+	if err := s.eachServer(ctx, check); err != nil {
 		return err
 	}
 	if len(unsafe) > 0 {
