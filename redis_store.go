@@ -265,9 +265,16 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 	if err != nil {
 		return nil, err
 	}
-	// WAIT and WAITAOF are read, pipelined, within the client's
-	// ReadTimeout; a read that times out would have go-redis run the
-	// scripts again.
+	if err := o.checkWaits(readTimeout); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// checkWaits refuses waits that add up to the client's ReadTimeout or more:
+// WAIT and WAITAOF are read, pipelined, within it, and a read that times out
+// would have go-redis run the scripts again.
+func (o RedisOptions) checkWaits(readTimeout time.Duration) error {
 	var waits time.Duration
 	var named []string
 	if o.Replicas > 0 {
@@ -279,9 +286,9 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 		named = append(named, fmt.Sprintf("Fsync.Timeout %v", o.Fsync.Timeout))
 	}
 	if waits > 0 && readTimeout > 0 && waits >= readTimeout {
-		return nil, fmt.Errorf("idempotency: RedisOptions.%s is not below the client's ReadTimeout %v", strings.Join(named, " plus "), readTimeout)
+		return fmt.Errorf("idempotency: RedisOptions.%s is not below the client's ReadTimeout %v", strings.Join(named, " plus "), readTimeout)
 	}
-	return s, nil
+	return nil
 }
 
 // useClient sets what s does differently on a cluster, and returns the
