@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -62,7 +63,7 @@ func (c *proxyConfig) flags(fs *flag.FlagSet) {
 	fs.StringVar(&c.adminListen, "admin-listen", "127.0.0.1:9090", "the `ADDR` to serve /healthz and /metrics on; empty for none")
 	fs.StringVar(&c.scopeHeader, "scope-header", "", "the request header that names the account a key belongs to, e.g. X-Account-ID; a guarded request without it gets 400 (required unless -single-tenant)")
 	fs.BoolVar(&c.singleTenant, "single-tenant", false, "the API has one tenant: every key is in one scope")
-	fs.StringVar(&c.methods, "methods", "POST,PATCH", "the `METHODS` guarded, comma-separated; others pass through unguarded")
+	fs.StringVar(&c.methods, "methods", "POST,PATCH", "the `METHODS` guarded, comma-separated, in any case; others pass through unguarded")
 	fs.BoolVar(&c.optionalKey, "optional-key", false, "pass a guarded request without Idempotency-Key through unguarded, instead of answering 400")
 	fs.StringVar(&c.fingerprintHeaders, "fingerprint-headers", "", "request `HEADERS` that count in the fingerprint besides the method, path, query and body, comma-separated")
 	fs.StringVar(&c.errors, "errors", "problem", "how errors are answered: problem (RFC 9457 problem details) or stripe (Stripe's error shape)")
@@ -126,8 +127,12 @@ func runProxy(ctx context.Context, store storeConfig, args []string, stdout, std
 
 // middleware is the middleware's options the flags say.
 func (c *proxyConfig) middleware() (idempotency.MiddlewareOptions, error) {
+	methods, err := parseMethods(c.methods)
+	if err != nil {
+		return idempotency.MiddlewareOptions{}, err
+	}
 	o := idempotency.MiddlewareOptions{
-		Methods:            splitList(c.methods),
+		Methods:            methods,
 		OptionalKey:        c.optionalKey,
 		MaxRequestBytes:    c.maxRequestBytes,
 		MaxResponseBytes:   c.maxResponseBytes,
@@ -150,10 +155,32 @@ func (c *proxyConfig) middleware() (idempotency.MiddlewareOptions, error) {
 	default:
 		return o, usageError{fmt.Sprintf("-errors %q: want problem or stripe", c.errors)}
 	}
-	if len(o.Methods) == 0 {
-		return o, usageError{"-methods names no method"}
-	}
 	return o, nil
+}
+
+// knownMethods are the methods -methods may name: those of RFC 9110 and
+// PATCH (RFC 5789).
+var knownMethods = []string{http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut,
+	http.MethodPatch, http.MethodDelete, http.MethodConnect, http.MethodOptions, http.MethodTrace}
+
+// parseMethods reads -methods: method names in any case, as the upper-case
+// tokens a request line carries (the middleware compares them exactly).
+// An unknown name is refused rather than guarding nothing.
+func parseMethods(s string) ([]string, error) {
+	var out []string
+	for _, m := range splitList(s) {
+		up := strings.ToUpper(m)
+		if !slices.Contains(knownMethods, up) {
+			return nil, usageError{fmt.Sprintf("-methods: unknown method %q: want some of %s", m, strings.Join(knownMethods, ","))}
+		}
+		if !slices.Contains(out, up) {
+			out = append(out, up)
+		}
+	}
+	if len(out) == 0 {
+		return nil, usageError{"-methods names no method"}
+	}
+	return out, nil
 }
 
 // errNoScope answers a guarded request that does not name its account.

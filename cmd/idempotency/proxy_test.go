@@ -24,9 +24,16 @@ type upstream struct {
 	url string
 }
 
-// startUpstream runs testdata/upstream.py until t ends. Without python3 it
-// skips, unless IDEMPOTENCY_REQUIRE_SERVERS=1.
+// startUpstream runs testdata/upstream.py until t ends.
 func startUpstream(t *testing.T) upstream {
+	t.Helper()
+	return startPython(t, "testdata/upstream.py")
+}
+
+// startPython runs script, an upstream that prints "PORT <n>" once it
+// listens on 127.0.0.1, until t ends. Without python3 it skips, unless
+// IDEMPOTENCY_REQUIRE_SERVERS=1.
+func startPython(t *testing.T, script string) upstream {
 	t.Helper()
 	python, err := exec.LookPath("python3")
 	if err != nil {
@@ -35,7 +42,7 @@ func startUpstream(t *testing.T) upstream {
 		}
 		t.Skip("python3 not installed")
 	}
-	cmd := exec.Command(python, "testdata/upstream.py")
+	cmd := exec.Command(python, script)
 	out, err := cmd.StdoutPipe()
 	require.NoError(t, err)
 	cmd.Stderr = os.Stderr
@@ -136,6 +143,10 @@ type answer struct {
 	body   string
 }
 
+// noRedirects is a client that returns every answer as it came: the proxy
+// passes an upstream's redirect on, and a test looks at it.
+var noRedirects = &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+
 // post sends body to path under key, in account scope, through base.
 func post(t *testing.T, base, path, scope, key, body string, header ...string) answer {
 	t.Helper()
@@ -151,7 +162,7 @@ func post(t *testing.T, base, path, scope, key, body string, header ...string) a
 	for i := 0; i+1 < len(header); i += 2 {
 		req.Header.Add(header[i], header[i+1])
 	}
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := noRedirects.Do(req)
 	require.NoError(t, err)
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
@@ -164,6 +175,9 @@ type charge struct {
 	ID      string            `json:"id"`
 	Request string            `json:"request"`
 	Seen    map[string]string `json:"seen"`
+	// Environ is what a Rack or WSGI server would make of the headers:
+	// HTTP_ variables, each with every value the spellings of its name had.
+	Environ map[string][]string `json:"environ"`
 }
 
 func decodeCharge(t *testing.T, a answer) charge {

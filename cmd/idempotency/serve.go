@@ -52,7 +52,10 @@ func (c *proxyConfig) serve(ctx context.Context, sc storeConfig, log *slog.Logge
 	if err != nil {
 		return err
 	}
-	front := &http.Server{Handler: g.Middleware(mo)(upstreamHandler(target, c.trustForwarded, log)),
+	up := upstreamOptions{target: target, trustForwarded: c.trustForwarded, keyHeader: idempotency.HeaderKey,
+		protected: protectedHeaders(idempotency.HeaderKey, c.scopeHeader, mo.FingerprintHeaders),
+		transport: newTransport(), log: log}
+	front := &http.Server{Handler: g.Middleware(mo)(upstreamHandler(up)),
 		ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
 	servers := []*http.Server{front}
 	listeners := []net.Listener{clients}

@@ -8,6 +8,7 @@ import (
 	"net/http/httputil"
 	"net/url"
 	"strconv"
+	"strings"
 
 	"github.com/idempotency-go/idempotency"
 )
@@ -32,34 +33,137 @@ const (
 // downstreamName names the upstream for idempotency.DownstreamKey.
 const downstreamName = "upstream"
 
-// upstreamHandler forwards each request to target, with the operation's
+// forwardingHeaders are the fields that tell an upstream who the client is
+// and what it asked for (scheme, host, port, prefix): Rack, Rails, Django
+// and Express read them to build URLs and to decide whether a request came
+// over TLS. Each is either the proxy's own view or, with -trust-forwarded,
+// the gateway's; never a client's.
+var forwardingHeaders = []string{
+	"Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Forwarded-Proto", "X-Forwarded-Port",
+	"X-Forwarded-Prefix", "X-Forwarded-Ssl", "X-Forwarded-Scheme", "X-Real-Ip", "Client-Ip",
+}
+
+// upstreamOptions is how the proxy talks to its upstream.
+type upstreamOptions struct {
+	target         *url.URL
+	trustForwarded bool
+	// protected holds the canonical names of the fields whose spelling
+	// with "_" for "-" never reaches the upstream (see dropAliases).
+	protected map[string]bool
+	// keyHeader is the canonical name the clients and the upstream give
+	// the key; when it is not idempotency.HeaderKey, the Idempotency-Key
+	// field the upstream gets is the proxy's copy for the middleware, and
+	// is removed.
+	keyHeader string
+	transport http.RoundTripper
+	log       *slog.Logger
+}
+
+// upstreamHandler forwards each request to the target, with the operation's
 // headers when it is guarded, and cancels the upstream request when the
 // operation's context ends (its timeout, or the lease lost): what comes
 // back then is never stored or sent. An upstream that cannot be reached
 // is answered 502, and one cancelled at the operation's timeout 504; both
 // release the key, so that the client's retry runs again.
-func upstreamHandler(target *url.URL, trustForwarded bool, log *slog.Logger) http.Handler {
-	transport := http.DefaultTransport.(*http.Transport).Clone()
-	transport.MaxIdleConnsPerHost = 256
+func upstreamHandler(o upstreamOptions) http.Handler {
 	return &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.SetURL(target)
-			if trustForwarded {
-				pr.Out.Header["X-Forwarded-For"] = pr.In.Header["X-Forwarded-For"]
-			}
-			pr.SetXForwarded()
+			pr.SetURL(o.target)
+			dropAliases(pr.Out.Header, o.protected)
+			setForwarded(pr, o.trustForwarded)
 			setOperationHeaders(pr.In.Context(), pr.Out.Header)
+			if o.keyHeader != idempotency.HeaderKey {
+				pr.Out.Header.Del(idempotency.HeaderKey)
+			}
+			hideKeyFromTransport(pr.Out.Header)
 		},
-		Transport: transport,
+		Transport: o.transport,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			status := http.StatusBadGateway
 			if errors.Is(r.Context().Err(), context.DeadlineExceeded) {
 				status = http.StatusGatewayTimeout
 			}
-			log.Warn("upstream request failed", "method", r.Method, "path", r.URL.Path, "status", status, "err", err)
+			o.log.Warn("upstream request failed", "method", r.Method, "path", r.URL.Path, "status", status, "err", err)
 			w.WriteHeader(status)
 		},
-		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+		ErrorLog: slog.NewLogLogger(o.log.Handler(), slog.LevelWarn),
+	}
+}
+
+// newTransport is the connection pool to the upstream.
+func newTransport() *http.Transport {
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	t.MaxIdleConnsPerHost = 256
+	return t
+}
+
+// protectedHeaders is the set dropAliases guards: every field the proxy
+// sets itself, the key's, the scope's and the fingerprinted ones.
+func protectedHeaders(keyHeader, scopeHeader string, fingerprint []string) map[string]bool {
+	names := append([]string{headerOperationKey, headerFencingToken, headerAttempt,
+		idempotency.HeaderKey, "X-Idempotency-Key", keyHeader, scopeHeader}, forwardingHeaders...)
+	set := map[string]bool{}
+	for _, n := range append(names, fingerprint...) {
+		if n != "" {
+			set[http.CanonicalHeaderKey(n)] = true
+		}
+	}
+	return set
+}
+
+// dropAliases removes from h every field whose name has a "_" and, read
+// with "-" for each "_", names a field in protected. Rack and WSGI hand a
+// field to the application as HTTP_ and its name in capitals, "-" as "_":
+// Idempotency_Fencing_Token and Idempotency-Fencing-Token are then one
+// variable, and a client could forge what only the proxy or the gateway
+// may say.
+func dropAliases(h http.Header, protected map[string]bool) {
+	for name := range h {
+		if strings.Contains(name, "_") && protected[http.CanonicalHeaderKey(strings.ReplaceAll(name, "_", "-"))] {
+			delete(h, name)
+		}
+	}
+}
+
+// setForwarded sets the forwarding fields of pr.Out: from the proxy's own
+// view (the client's address, the Host it asked for, http or https as it
+// reached the proxy), or, when trusted, as the gateway sent them, the
+// proxy adding the gateway's address to X-Forwarded-For. Rewrite has
+// already removed Forwarded and X-Forwarded-For, -Host and -Proto from
+// pr.Out; the others are removed here.
+func setForwarded(pr *httputil.ProxyRequest, trusted bool) {
+	for _, name := range forwardingHeaders {
+		pr.Out.Header.Del(name)
+	}
+	if !trusted {
+		pr.SetXForwarded()
+		return
+	}
+	pr.Out.Header["X-Forwarded-For"] = pr.In.Header["X-Forwarded-For"]
+	pr.SetXForwarded()
+	for _, name := range forwardingHeaders {
+		if v := pr.In.Header[name]; len(v) > 0 && name != "X-Forwarded-For" {
+			pr.Out.Header[name] = v
+		}
+	}
+}
+
+// hideKeyFromTransport keeps http.Transport from sending a request twice.
+// The Transport resends a request without a body on a new connection when
+// a reused one fails after the request was written, if it deems the
+// request idempotent: a GET, or one whose Header map has an
+// "Idempotency-Key" or "X-Idempotency-Key" entry (net/http's
+// Request.isReplayable). The upstream would then run one attempt twice.
+// Those fields are moved to lower-case entries, which the map lookup does
+// not match and which go on the wire as the same fields (HTTP field names
+// are case-insensitive). A request with a body is never resent: the
+// proxy's has no GetBody.
+func hideKeyFromTransport(h http.Header) {
+	for _, name := range []string{idempotency.HeaderKey, "X-Idempotency-Key"} {
+		if v, ok := h[name]; ok {
+			delete(h, name)
+			h[strings.ToLower(name)] = v
+		}
 	}
 }
 

@@ -12,6 +12,9 @@ Routes (POST unless said):
   /slow?ms=N        the same, after N ms
   /hang             never answers (until the connection closes)
   /flaky            500 on an operation's first call, then as /charges
+  /secure           as Rails' force_ssl and Django's SECURE_SSL_REDIRECT: 301
+                    to https:// unless X-Forwarded-Proto is https, else as
+                    /charges
   /big?bytes=N      201 with N bytes of body
   GET /_stats       what it was asked: calls and charges per operation key,
                     operation keys per Idempotency-Key
@@ -45,6 +48,14 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def environ(self):
+        """The HTTP_ variables a Rack or WSGI server would make of the
+        headers: the name in capitals, "-" as "_", every value kept."""
+        env = {}
+        for name, value in self.headers.items():
+            env.setdefault("HTTP_" + name.upper().replace("-", "_"), []).append(value)
+        return env
 
     def do_GET(self):
         if self.path == "/_stats":
@@ -82,6 +93,13 @@ class Handler(BaseHTTPRequestHandler):
         if url.path == "/flaky" and n == 1:
             self.reply(500, b'{"error":"try again"}')
             return
+        if url.path == "/secure" and self.headers.get("X-Forwarded-Proto") != "https":
+            host = self.headers.get("X-Forwarded-Host") or self.headers.get("Host")
+            self.send_response(301)
+            self.send_header("Location", "https://%s%s" % (host, self.path))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if url.path == "/big":
             self.reply(201, b"x" * int(query.get("bytes", ["0"])[0]), "application/octet-stream")
             return
@@ -91,8 +109,10 @@ class Handler(BaseHTTPRequestHandler):
             charge = charges[op]
         seen = {h: self.headers.get(h) for h in (
             "Idempotency-Operation-Key", "Idempotency-Fencing-Token", "Idempotency-Attempt",
-            "X-Forwarded-For", "X-Forwarded-Host", "X-Secret", "Idempotency-Key")}
-        body = json.dumps({"id": charge, "request": request.decode("utf-8", "replace"), "seen": seen})
+            "X-Forwarded-For", "X-Forwarded-Host", "X-Forwarded-Proto", "X-Forwarded-Port",
+            "X-Forwarded-Ssl", "X-Secret", "Idempotency-Key")}
+        body = json.dumps({"id": charge, "request": request.decode("utf-8", "replace"), "seen": seen,
+                           "environ": self.environ()})
         self.reply(201, body.encode())
 
 
