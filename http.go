@@ -114,7 +114,9 @@ func (o MiddlewareOptions) withDefaults() MiddlewareOptions {
 // key for a retry; 400, 401, 403, 408, 409, 422 and 429 forget it, since
 // the client may correct the request or its credentials and reuse the key
 // (a kept refusal would be replayed to it for the whole retention); any
-// other status is kept and replayed.
+// other status is kept and replayed. A refusal of an operation that may
+// have had an effect (a retry after a 5xx, a takeover, an attempt that
+// began a Step) releases the key instead of forgetting it (see Forget).
 func DefaultDisposition(status int) Disposition {
 	switch {
 	case status >= 500:

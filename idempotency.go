@@ -154,7 +154,12 @@ const (
 	Release
 	// Forget deletes the record: the key may be used again, even with a
 	// different request. Use it when the operation never began (the HTTP
-	// default for the refusals DefaultDisposition lists).
+	// default for the refusals DefaultDisposition lists). An operation that
+	// may have had an effect is never erased: on a takeover (Info.Takeover)
+	// or once the attempt began a Step, Forget releases the record instead,
+	// keeping its operation ID, attempt count and recovery points, so the
+	// next attempt resumes under the same DownstreamKey. Only an operator's
+	// forced Guard.Act erases such a record.
 	Forget
 	// Settled says the operation already stored its outcome itself, in its
 	// own transaction (see the postgres package's Store.CompleteTx), so the
@@ -557,9 +562,10 @@ func DownstreamKey(ctx context.Context, name string) (string, error) {
 
 // SetDisposition chooses what becomes of the record when the operation in
 // ctx returns without an error, overriding the default (Keep for Guard.Do,
-// the status policy for the middleware). It reports false, and changes
-// nothing, when ctx carries no operation or d is not Keep, Release, Forget
-// or Settled.
+// the status policy for the middleware). A Forget chosen here releases the
+// record instead once the operation may have had an effect (see Forget).
+// It reports false, and changes nothing, when ctx carries no operation or
+// d is not Keep, Release, Forget or Settled.
 func SetDisposition(ctx context.Context, d Disposition) bool {
 	i, ok := FromContext(ctx)
 	if !ok || d < Keep || d > Settled {

@@ -233,6 +233,7 @@ func (o *owner) call(f func(ctx context.Context) (Response, error), onPanic Disp
 // without waiting for it: the outcome may or may not be stored, and a retry
 // finds out which.
 func (o *owner) settle(resp Response, d Disposition) error {
+	d = o.keepHistory(d)
 	// A renewal that lands after the record was given up would take it back.
 	o.awaitRenewal(d == abandon)
 	deadline, lost := o.end()
@@ -261,6 +262,19 @@ func (o *owner) settle(resp Response, d Disposition) error {
 		o.cancel(fmt.Errorf("%w: the record was given up (%v)", ErrFenced, d))
 	}
 	return nil
+}
+
+// keepHistory turns a Forget into a Release once the operation may have had
+// an effect: an earlier attempt ran (this one is a takeover), or this one
+// began a step. Forgetting would erase the operation ID, the attempt count
+// and the recovery points, so the next attempt would repeat the steps under
+// a new DownstreamKey. A release keeps all three. This is the one place the
+// rule is enforced: every settle, whoever chose the disposition, passes here.
+func (o *owner) keepHistory(d Disposition) Disposition {
+	if d == Forget && (o.c.Attempt > 1 || o.pts.began.Load()) {
+		return Release
+	}
+	return d
 }
 
 // settleOp names the store call that applies d, for an Observer.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 )
 
 // Limits of an operation's recovery points, which its owner holds in memory
@@ -178,6 +179,10 @@ func checkResult(p RecoveryPoint) error {
 // points are an owner's recovery points: those of the attempts before it,
 // read from the store when first needed, then its own.
 type points struct {
+	// began is set before this attempt first runs a step's function: from
+	// then on the operation may have had an effect (see owner.keepHistory).
+	began atomic.Bool
+
 	mu     sync.Mutex // held across the store calls, so the list keeps their order
 	loaded bool       // list holds the earlier attempts' points
 	list   []RecoveryPoint
@@ -199,6 +204,7 @@ func (ps *points) find(ctx context.Context, o *owner, step string) (RecoveryPoin
 	if len(ps.list) >= MaxSteps {
 		return RecoveryPoint{}, false, fmt.Errorf("%w: step %q: the operation recorded %d steps already", ErrInvalidStep, step, MaxSteps)
 	}
+	ps.began.Store(true) // the caller runs the step now
 	return RecoveryPoint{}, false, nil
 }
 

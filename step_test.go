@@ -119,10 +119,12 @@ func (silentRenewals) Heartbeat(context.Context, idempotency.Key, uint64, time.D
 	return idempotency.ErrUnavailable
 }
 
-// A record that is completed or forgotten drops its points: the key made
-// anew runs every step.
+// An attempt's Forget after a step keeps the operation: the retry resumes
+// after the step. Only an operator's forget erases the record and its
+// points: the key made anew runs every step again.
 func TestStepsGoWithTheRecord(t *testing.T) {
-	g := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
+	store := idempotency.NewMemoryStore(idempotency.MemoryOptions{})
+	g := idempotency.New(store, idempotency.Options{})
 	k, fp := idempotency.Key{Name: "forgotten"}, idempotency.FingerprintOf("order", nil)
 	var l ledger
 	forget := func(ctx context.Context) (idempotency.Response, error) {
@@ -134,7 +136,14 @@ func TestStepsGoWithTheRecord(t *testing.T) {
 	require.NoError(t, err)
 	_, err = g.Do(t.Context(), k, fp, forget)
 	require.NoError(t, err)
-	assert.Equal(t, 2, l.count("order"))
+	assert.Equal(t, 1, l.count("order"), "runs of a step after an attempt's Forget")
+
+	seen, err := store.Inspect(t.Context(), k)
+	require.NoError(t, err)
+	require.NoError(t, g.Act(t.Context(), seen, idempotency.OperatorAction{Disposition: idempotency.Forget}))
+	_, err = g.Do(t.Context(), k, fp, forget)
+	require.NoError(t, err)
+	assert.Equal(t, 2, l.count("order"), "runs of a step after an operator's forget")
 }
 
 // Misuse is refused before the step runs, except a result too large to

@@ -78,6 +78,8 @@ func (o ServerOptions) withDefaults() ServerOptions {
 //     handler refused before acting, and the client may fix the request,
 //     its credentials or the state it depends on, then retry with the same
 //     key; a kept refusal would be replayed to it for the whole retention.
+//     A retry after a failed attempt, or an attempt that began a Step, is
+//     released instead (see idempotency.Forget).
 //   - Keep: OK, NotFound, AlreadyExists: the answer to the request, which
 //     every retry must get.
 func DefaultDisposition(code codes.Code) idempotency.Disposition {

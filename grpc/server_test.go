@@ -241,6 +241,33 @@ func TestDispositions(t *testing.T) {
 		assert.False(t, replayed(md))
 		assert.Equal(t, 5.0, reply.GetFields()["amount"].GetNumberValue())
 	})
+	t.Run("a refusal after a failed attempt keeps the operation", func(t *testing.T) {
+		var charges atomic.Int32
+		keys := make(chan string, 3)
+		svc := &payments{charge: func(ctx context.Context, run int64, in *structpb.Struct) (*structpb.Struct, error) {
+			dk, err := idempotency.DownstreamKey(ctx, "gateway")
+			require.NoError(t, err)
+			keys <- dk
+			_, err = idempotency.Step(ctx, "charge", func(context.Context) (string, error) { charges.Add(1); return "ch_1", nil })
+			require.NoError(t, err)
+			switch run {
+			case 1:
+				return nil, status.Error(codes.Unavailable, "the ledger write failed")
+			case 2:
+				return nil, status.Error(codes.PermissionDenied, "the token expired")
+			}
+			return receipt(ctx, run, in), nil
+		}}
+		inst := pair(t, idempotency.Options{}, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant}, svc)
+		for i, want := range []codes.Code{codes.Unavailable, codes.PermissionDenied, codes.OK} {
+			_, _, err := charge(t.Context(), dial(t, inst[i%2].addr), amount(4200), "k-refused")
+			require.Equal(t, want, status.Code(err), "attempt %d", i+1)
+		}
+		assert.Equal(t, int32(1), charges.Load(), "runs of the step recorded by the first attempt")
+		first := <-keys
+		assert.Equal(t, first, <-keys, "the second attempt's downstream key")
+		assert.Equal(t, first, <-keys, "the third attempt's downstream key")
+	})
 	t.Run("a handler's choice stands where the policy keeps", func(t *testing.T) {
 		svc := &payments{charge: func(ctx context.Context, run int64, in *structpb.Struct) (*structpb.Struct, error) {
 			if run == 1 {

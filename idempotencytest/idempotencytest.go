@@ -45,7 +45,7 @@ type Harness struct {
 func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 	// The cases run in this order. Each one's doc comment states the clause
 	// of the contract it checks; the files claim.go, settle.go, lease.go,
-	// retention.go, wakeup.go, guard.go, abandoned.go, inspect.go and steps.go group them by
+	// retention.go, wakeup.go, guard.go, abandoned.go, inspect.go, steps.go and history.go group them by
 	// topic.
 	cases := []struct {
 		name string
@@ -74,6 +74,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"Inspection", inspection},
 		{"OperatorActions", operatorActions},
 		{"RecoveryPoints", recoveryPoints},
+		{"RefusalKeepsOperation", refusalKeepsOperation},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
