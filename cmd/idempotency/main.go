@@ -47,7 +47,8 @@ Commands:
   settle SCOPE KEY    store the outcome -status, -header, -body as the
                       record's, for its retries to replay
   release SCOPE KEY   let the next retry run the operation
-  forget SCOPE KEY    make the key new again
+  forget SCOPE KEY    make the key new again, erasing the operation: its ID,
+                      attempts and recorded steps (needs -force)
   proxy [FLAGS]       serve a reverse proxy that guards an upstream service
                       not written in Go (idempotency proxy -h)
 
@@ -86,7 +87,7 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	c.store.flags(fs)
 	fs.BoolVar(&c.json, "json", false, "print JSON, one object per record, for scripts")
 	fs.BoolVar(&c.yes, "yes", false, "act without asking for confirmation")
-	fs.BoolVar(&c.force, "force", false, "act on a record whose owner holds a live lease, ending it")
+	fs.BoolVar(&c.force, "force", false, "act on a record whose owner holds a live lease, ending it; forget needs it always")
 	fs.IntVar(&c.limit, "limit", 50, "list: the most records on a page")
 	fs.StringVar(&c.after, "after", "", "list: the `CURSOR` a previous page printed")
 	fs.IntVar(&c.status, "status", 0, "settle: the outcome's HTTP `STATUS`")
@@ -201,6 +202,9 @@ func (c *config) act(ctx context.Context, s opened, k idempotency.Key, a idempot
 		return err
 	}
 	a.Force = c.force
+	if a.Disposition == idempotency.Forget && !c.force {
+		return errors.New(erases(seen))
+	}
 	if !c.yes {
 		if err := (printer{out: errOut}).record(seen); err != nil {
 			return err
@@ -226,6 +230,19 @@ func (c *config) act(ctx context.Context, s opened, k idempotency.Key, a idempot
 		return err
 	}
 	return p.record(after)
+}
+
+// erases says what forgetting r would erase. Every record an operator can
+// act on had an attempt that may have acted, so forget always needs -force.
+func erases(r idempotency.Record) string {
+	steps := "no recorded steps"
+	if len(r.Steps) > 0 {
+		steps = fmt.Sprintf("its recorded steps (%s)", strings.Join(r.Steps, ", "))
+	}
+	return fmt.Sprintf("forget erases operation %s: its %d attempt(s) and %s; the next request with the key "+
+		"runs as a new operation, under new downstream keys, and may repeat what the operation did. "+
+		"release lets the next retry resume the operation instead; forget with -force to erase it",
+		r.OperationID, r.Attempt, steps)
 }
 
 // headerFlags collects -header NAME: VALUE.

@@ -201,3 +201,37 @@ func TestCommandRefusals(t *testing.T) {
 	code, _, _ = command(t, "", append(s.flags, "settle", "acct_1", "busy")...)
 	assert.Equal(t, 2, code, "settle without -status")
 }
+
+// forget erases an operation that may have acted: without -force it says
+// what it would erase (the operation ID, the attempts, the recorded steps)
+// and changes nothing; with it, the key is new again.
+func TestForgetNeedsForce(t *testing.T) {
+	for name, open := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			s := open(t)
+			ctx := t.Context()
+			k := idempotency.Key{Scope: "acct_1", Name: "charged"}
+			c, err := s.store.Claim(ctx, idempotency.ClaimRequest{Key: k, Fingerprint: idempotency.FingerprintOf("POST /charges", nil),
+				OperationID: "op_charged", Lease: time.Minute, Retention: time.Hour})
+			require.NoError(t, err)
+			points := s.store.(idempotency.RecoveryPointStore)
+			require.NoError(t, points.SaveRecoveryPoint(ctx, k, c.Token, idempotency.RecoveryPoint{Step: "charge", Result: []byte(`"ch_1"`)}))
+			require.NoError(t, s.store.Release(ctx, k, c.Token))
+
+			code, _, errOut := command(t, "", append(s.flags, "-yes", "forget", "acct_1", "charged")...)
+			assert.Equal(t, 1, code)
+			assert.Contains(t, errOut, "erases operation op_charged")
+			assert.Contains(t, errOut, "(charge)")
+			assert.Contains(t, errOut, "-force")
+			code, out, _ := command(t, "", append(s.flags, "inspect", "acct_1", "charged")...)
+			require.Zero(t, code)
+			assert.Contains(t, out, "op_charged", "the record after a refused forget")
+
+			code, _, _ = command(t, "", append(s.flags, "-yes", "-force", "forget", "acct_1", "charged")...)
+			require.Zero(t, code)
+			code, _, errOut = command(t, "", append(s.flags, "inspect", "acct_1", "charged")...)
+			assert.Equal(t, 1, code)
+			assert.Contains(t, errOut, "no record")
+		})
+	}
+}
