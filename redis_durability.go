@@ -21,17 +21,40 @@ import (
 // Fsync is RedisOptions.Fsync: which servers must have written a change
 // to their append-only file, and fsynced it, before the store counts it as
 // made. The zero value asks for nothing.
+//
+// A master that cannot wait as asked is refused, by CheckPersistence and by
+// the store's calls to it, with an error wrapping no ErrUnavailable that
+// names it and the reason (appendonly no; appendfsync no or, with Master,
+// everysec; a server without WAITAOF; an ACL that denies it). The refusal
+// lasts only as long as its cause: a call after a back-off (100ms, doubling
+// with each refusal in a row up to 2s) asks the master again, so that one
+// set right (CONFIG SET appendonly yes) serves again within about 2s. A
+// master found able is asked again every 10s, so that one switched to a
+// setting it refuses is refused within that.
+//
+// A claim is refused before anything is written: the operation does not
+// run. An owner's write (a completion, a release, a recovery point) is not:
+// its operation may already have acted, and its outcome stored without the
+// wait is worth more than none (a retry replays the true answer rather
+// than take the record over after its lease and run it again). It is sent
+// without the WAITAOF, or finds WAITAOF refused after it (appendonly
+// switched off while the operation ran), and fails with an error wrapping
+// ErrUnavailable that says the change is stored on the master but not
+// fsynced, so that a power loss of its machine can still undo it.
 type Fsync struct {
 	// Master asks the record's master for it: a power loss or a crash of its
 	// machine then keeps the change once it restarts. The master needs
-	// appendonly yes, with appendfsync everysec or always. With everysec
-	// the wait ends at the server's next fsync, on Valkey 8 within about
-	// one tick of its cron, 1/hz s (0.1 s at the default hz 10), shared by
-	// every write of that tick. With always, which already fsyncs every
-	// write before answering it, the wait ends at once.
+	// appendonly yes with appendfsync always, which fsyncs every write
+	// before answering it, so that the wait ends at once. appendfsync
+	// everysec is refused: there Valkey 8.0 (and Redis before
+	// redis/redis#13793) may answer WAITAOF for its own file without an
+	// fsync, when less than a second passed since the last one, so what it
+	// confirmed may be lost on a power loss.
 	Master bool
 	// Replicas asks that many of the master's replicas for it; they need
-	// appendonly yes too, or they never confirm.
+	// appendonly yes too, or they never confirm, and appendfsync always to
+	// keep what they confirmed through a power loss (the store does not
+	// ask them: CheckPersistence shows their settings).
 	Replicas int
 	// Timeout bounds each wait; default 1s. With RedisOptions.Replicas
 	// also set, both waits follow the scripts, and the two timeouts
@@ -52,21 +75,91 @@ func (f Fsync) local() int {
 
 // confirmedNode is, with RedisOptions.Replicas or Fsync set, what the store
 // keeps for one master: the batcher that sends scripts with WAIT and
-// WAITAOF on it, and, with Fsync, whether it can wait for its append-only
-// file, which the first call to it finds out (fsyncReady).
+// WAITAOF on it, and, with Fsync, what the master last answered when asked
+// whether it can wait for its append-only file (fsyncReady).
 type confirmedNode struct {
+	// batch is set when the confirmedNode is made and never changed.
 	batch *batcher
-	// probing is a lock of one slot, held while a call probes the master;
-	// a channel, so that a call waiting for it still ends with its context.
+	// probing is a lock of one slot, held by the one call that asks the
+	// master (fsyncReady); a channel, so that a call waiting for it still
+	// ends with its context.
 	probing chan struct{}
-	// probed is set once the probe answered: its error, or nil, the master
-	// can.
-	probed atomic.Pointer[error]
+	// verdict is the master's latest fsyncVerdict, nil until the first
+	// probe answers. It is replaced, never changed in place: by the holder
+	// of probing, and by refuse (a compare-and-swap) when a WAITAOF is
+	// refused; anyone reads it without a lock.
+	verdict atomic.Pointer[fsyncVerdict]
 }
 
-// refuse marks cn's master as one that cannot wait for its append-only
-// file, with err: calls to it fail at once.
-func (cn *confirmedNode) refuse(err error) { cn.probed.Store(&err) }
+// fsyncVerdict is what a master answered when asked whether it can wait
+// for its append-only file; immutable once stored.
+type fsyncVerdict struct {
+	// err is nil when the master can, and wraps errCannotFsync when not.
+	err error
+	// next is when a call may ask the master again: after a refusal, the
+	// end of its back-off; after an acceptance, the next check.
+	next time.Time
+	// backoff is, after a refusal, the wait that set next: it doubles with
+	// each refusal in a row, up to fsyncSchedule.max.
+	backoff time.Duration
+}
+
+// fsyncSchedule is when a store asks a master again whether it can wait
+// for its append-only file. A RedisStore's is set by NewRedisStore and only
+// read after.
+type fsyncSchedule struct {
+	// first is the back-off after a refusal that follows none, doubled by
+	// each refusal in a row up to max.
+	first, max time.Duration
+	// recheck is the wait before a master found able is asked again.
+	recheck time.Duration
+}
+
+// defaultFsyncSchedule is the schedule of every store: a master set right
+// serves again within max, and one switched to a setting it refuses is
+// refused within recheck.
+func defaultFsyncSchedule() fsyncSchedule {
+	return fsyncSchedule{first: 100 * time.Millisecond, max: 2 * time.Second, recheck: 10 * time.Second}
+}
+
+// refuse records that cn's master cannot wait for its append-only file,
+// with err, wrapping errCannotFsync, and returns the refusal in force: err,
+// or one already recorded whose back-off has not ended, so that the
+// replies of one pipeline lengthen the back-off once.
+func (cn *confirmedNode) refuse(err error, sch fsyncSchedule) error {
+	for {
+		now, old := time.Now(), cn.verdict.Load()
+		backoff := sch.first
+		if old != nil && old.err != nil {
+			if now.Before(old.next) {
+				return old.err
+			}
+			backoff = min(2*old.backoff, sch.max)
+		}
+		if cn.verdict.CompareAndSwap(old, &fsyncVerdict{err: err, next: now.Add(backoff), backoff: backoff}) {
+			return err
+		}
+	}
+}
+
+// lockProbe takes cn.probing: with wait, until ctx ends, and otherwise
+// only if no other call holds it. It reports whether it did.
+func (cn *confirmedNode) lockProbe(ctx context.Context, wait bool) bool {
+	if !wait {
+		select {
+		case cn.probing <- struct{}{}:
+			return true
+		default:
+			return false
+		}
+	}
+	select {
+	case cn.probing <- struct{}{}:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
 
 // confirmedNode returns the confirmedNode of node, a master: one per
 // master, since WAIT and WAITAOF cover only the writes of their own
@@ -75,44 +168,57 @@ func (s *RedisStore) confirmedNode(node *redis.Client) *confirmedNode {
 	if cn, ok := s.confirmed.Load(node); ok {
 		return cn.(*confirmedNode)
 	}
-	cn, _ := s.confirmed.LoadOrStore(node, &confirmedNode{batch: &batcher{send: s.sendConfirmed(node)}, probing: make(chan struct{}, 1)})
+	cn, _ := s.confirmed.LoadOrStore(node, &confirmedNode{batch: &batcher{send: s.sendConfirmed(node, true)}, probing: make(chan struct{}, 1)})
 	return cn.(*confirmedNode)
 }
 
 // errCannotFsync: a master cannot wait for its append-only file as
-// RedisOptions.Fsync asks. The store sends it nothing more; a call to it
-// fails with this error, not ErrUnavailable, since no retry or fail-open
-// can help.
+// RedisOptions.Fsync asks. A claim on it fails with this error, not
+// ErrUnavailable: the master answers, but running the operation unguarded
+// (Options.FailOpen) is not what a durability setting asks for.
 var errCannotFsync = errors.New("idempotency: RedisOptions.Fsync cannot be met")
+
+// errNotFsynced: an owner's write was stored on its master, but not
+// fsynced as RedisOptions.Fsync asks, since the master cannot wait.
+var errNotFsynced = errors.New("idempotency: stored on the master, but not fsynced, so a power loss of its machine can undo it")
 
 // fsyncReady returns nil when node, a master, can wait for its append-only
 // file as RedisOptions.Fsync asks (or Fsync is not set), and an error
-// wrapping errCannotFsync when it cannot. The first call to node finds out,
-// before anything is written (probeFsync), and the others wait for its
-// answer; a probe that fails (a network error) is the failure of its call,
-// and the next call probes again.
+// wrapping errCannotFsync when it cannot, by its latest verdict. The first
+// call to node asks it, before anything is written (probeFsync), and the
+// calls that come meanwhile wait for its answer. Once that verdict is due
+// (see fsyncSchedule), one call asks again while the others keep to it. A
+// first probe that fails (a network error) is the failure of its call; a
+// later one leaves the verdict due, for the next call to ask again.
 func (s *RedisStore) fsyncReady(ctx context.Context, node *redis.Client, cn *confirmedNode) error {
 	if !s.fsync.on() {
 		return nil
 	}
-	if p := cn.probed.Load(); p != nil {
-		return *p
+	v := cn.verdict.Load()
+	if v != nil && time.Now().Before(v.next) {
+		return v.err
 	}
-	select {
-	case cn.probing <- struct{}{}:
-	case <-ctx.Done():
+	if !cn.lockProbe(ctx, v == nil) {
+		if v != nil {
+			return v.err
+		}
 		return fmt.Errorf("idempotency: the call's context ended %s: %w", unsent, ctx.Err())
 	}
 	defer func() { <-cn.probing }()
-	if p := cn.probed.Load(); p != nil {
-		return *p
+	if now := cn.verdict.Load(); now != v {
+		return now.err // another call asked meanwhile
 	}
 	refused, err := s.probeFsync(ctx, node)
-	if err != nil {
+	switch {
+	case err != nil && v != nil && v.err == nil:
+		return nil // the master could a moment ago; the scripts' WAITAOF still judges
+	case err != nil:
 		return fmt.Errorf("asking %s whether it can wait for its append-only file: %w", node.Options().Addr, err)
+	case refused != nil:
+		return cn.refuse(refused, s.fsyncSchedule)
 	}
-	cn.probed.Store(&refused)
-	return refused
+	cn.verdict.Store(&fsyncVerdict{next: time.Now().Add(s.fsyncSchedule.recheck)})
+	return nil
 }
 
 // probeFsync asks node, a master, whether it can wait for its append-only
@@ -120,8 +226,9 @@ func (s *RedisStore) fsyncReady(ctx context.Context, node *redis.Client, cn *con
 // connection that has written nothing returns at once, or refuses (an
 // unknown command, appendonly no), and, for Fsync.Master, CONFIG GET
 // appendfsync, where "no" means that the server never fsyncs on its own,
-// so that the wait could only time out. A server that refuses CONFIG is
-// taken at its WAITAOF's word. refused wraps errCannotFsync; err is a
+// so that the wait could only time out, and "everysec" that WAITAOF may
+// answer before the fsync (see Fsync.Master). A server that refuses CONFIG
+// is taken at its WAITAOF's word. refused wraps errCannotFsync; err is a
 // failure to ask.
 func (s *RedisStore) probeFsync(ctx context.Context, node *redis.Client) (refused, err error) {
 	var waitaof *redis.Cmd
@@ -143,8 +250,15 @@ func (s *RedisStore) probeFsync(ctx context.Context, node *redis.Client) (refuse
 		}
 		return nil, err
 	}
-	if config != nil && config.Val()["appendfsync"] == "no" {
-		return fmt.Errorf("%w: %s has appendfsync no, so it never fsyncs its append-only file on its own and WAITAOF could only time out: set appendfsync everysec or always",
+	if config == nil {
+		return nil, nil
+	}
+	switch config.Val()["appendfsync"] {
+	case "no":
+		return fmt.Errorf("%w: %s has appendfsync no, so it never fsyncs its append-only file on its own and WAITAOF could only time out: set appendfsync always",
+			errCannotFsync, node.Options().Addr), nil
+	case "everysec":
+		return fmt.Errorf("%w: %s has appendfsync everysec, where WAITAOF may answer before the fsync (Valkey 8.0, Redis before redis/redis#13793), so a power loss can lose about the last second of what it confirmed: set appendfsync always",
 			errCannotFsync, node.Options().Addr), nil
 	}
 	return nil, nil
@@ -227,7 +341,8 @@ func (p Persistence) String() string {
 // nothing (appendonly no), which a service that accepts a second charge
 // after a restart lets pass; wrapping ErrUnavailable when a server cannot
 // be reached; naming the master when RedisOptions.Fsync asks for what it
-// cannot do (appendonly no, appendfsync no, no WAITAOF). A server that
+// cannot do (appendonly no, appendfsync no or, with Fsync.Master,
+// everysec, no WAITAOF). A server that
 // refuses CONFIG or INFO, as managed services do, is SurvivalUnknown, with
 // the reason, and no error. Call it at start-up, beside CheckEviction.
 func (s *RedisStore) CheckPersistence(ctx context.Context) (Persistence, error) {
@@ -331,11 +446,16 @@ func (s *RedisStore) persistence(ctx context.Context, c *redis.Client) (persiste
 	switch fsync["appendfsync"] {
 	case "always":
 		a.survives = SurvivesPowerLoss
-	case "everysec", "no":
-		a.survives = SurvivesProcessCrash
-		if s.fsync.Master && a.master && fsync["appendfsync"] == "everysec" {
-			a.survives, a.why = SurvivesPowerLoss, a.why+", with RedisOptions.Fsync.Master"
+	case "everysec":
+		// Not with Fsync.Master either: WAITAOF may answer before the
+		// fsync there (see Fsync.Master), and the probe refuses it.
+		a.survives, a.why = SurvivesProcessCrash, a.why+" (a power loss can lose about the last second"
+		if s.fsync.Master && a.master {
+			a.why += "; RedisOptions.Fsync.Master needs appendfsync always"
 		}
+		a.why += ")"
+	case "no":
+		a.survives = SurvivesProcessCrash
 	default:
 		a.survives, a.why = SurvivalUnknown, "cannot tell: "+a.why
 	}

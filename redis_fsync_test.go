@@ -47,12 +47,13 @@ func (c *counted) charge(context.Context) (Response, error) {
 }
 
 // TestRedisFsync runs a store with Fsync on a server with WAITAOF and
-// appendonly yes, appendfsync everysec: what decides an operation waits
-// for the master's fsync in the same round trip, the scripts of a batch
-// share one WAITAOF, and a write the disk does not confirm in time fails
-// closed, its operation not run.
+// appendonly yes, appendfsync always (everysec is refused: see
+// TestRedisFsyncEverysec): what decides an operation waits for the
+// master's fsync in the same round trip, the scripts of a batch share one
+// WAITAOF, and a write the disk does not confirm in time fails closed, its
+// operation not run.
 func TestRedisFsync(t *testing.T) {
-	srv := testserver.StartRedis(t, "--appendonly", "yes", "--appendfsync", "everysec")
+	srv := testserver.StartRedis(t, "--appendonly", "yes", "--appendfsync", "always")
 	admin := srv.Client()
 	skipWithoutWaitAOF(t, admin)
 	ctx := t.Context()
@@ -113,7 +114,7 @@ func TestRedisFsync(t *testing.T) {
 		_, err := gs.Do(ctx, Key{Name: "probed"}, fp, op.charge)
 		require.NoError(t, err)
 		require.NoError(t, admin.ConfigSet(ctx, "appendfsync", "no").Err())
-		t.Cleanup(func() { admin.ConfigSet(context.Background(), "appendfsync", "everysec") })
+		t.Cleanup(func() { admin.ConfigSet(context.Background(), "appendfsync", "always") })
 		before := op.runs.Load()
 		for _, name := range []string{"timed-out-1", "timed-out-2", "timed-out-3"} {
 			_, err := gs.Do(ctx, Key{Name: name}, fp, op.charge)
@@ -124,14 +125,14 @@ func TestRedisFsync(t *testing.T) {
 
 		// A completion that times out is not reported done, though the
 		// master keeps it, and its retry replays it.
-		require.NoError(t, admin.ConfigSet(ctx, "appendfsync", "everysec").Err())
+		require.NoError(t, admin.ConfigSet(ctx, "appendfsync", "always").Err())
 		k := Key{Name: "unconfirmed-completion"}
 		_, err = gs.Do(ctx, k, fp, func(ctx context.Context) (Response, error) {
 			require.NoError(t, admin.ConfigSet(ctx, "appendfsync", "no").Err())
 			return op.charge(ctx)
 		})
 		require.ErrorIs(t, err, ErrUnavailable)
-		require.NoError(t, admin.ConfigSet(ctx, "appendfsync", "everysec").Err())
+		require.NoError(t, admin.ConfigSet(ctx, "appendfsync", "always").Err())
 		r, err := gs.Do(ctx, k, fp, op.charge)
 		require.NoError(t, err)
 		assert.True(t, r.Replayed)
@@ -141,9 +142,11 @@ func TestRedisFsync(t *testing.T) {
 
 // A master that cannot wait for its append-only file is refused by the
 // first call to it, before anything is written, and by CheckPersistence;
-// the calls after it fail at once, sending nothing. Neither error is
-// ErrUnavailable (Options.FailOpen would run operations unguarded on it),
-// nor ErrNoPersistence, which a service may accept.
+// the calls after it, within the back-off, fail at once, sending nothing
+// (the store here backs off for an hour; TestRedisFsyncRecovers has it ask
+// again). Neither error is ErrUnavailable (Options.FailOpen would run
+// operations unguarded on it), nor ErrNoPersistence, which a service may
+// accept.
 func TestRedisFsyncRefused(t *testing.T) {
 	for _, tc := range []struct {
 		name string
@@ -152,6 +155,7 @@ func TestRedisFsyncRefused(t *testing.T) {
 	}{
 		{"appendonly no", nil, "has appendonly no"},
 		{"appendfsync no", []string{"--appendonly", "yes", "--appendfsync", "no"}, "has appendfsync no"},
+		{"appendfsync everysec", []string{"--appendonly", "yes", "--appendfsync", "everysec"}, "has appendfsync everysec, where WAITAOF may answer before the fsync"},
 		{"appendfsync always", []string{"--appendonly", "yes", "--appendfsync", "always"}, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -166,6 +170,7 @@ func TestRedisFsyncRefused(t *testing.T) {
 				t.Skip("a server that can: see TestRedisFsync")
 			}
 			s := newRedisStoreWith(t, srv.Client(), RedisOptions{Fsync: Fsync{Master: true}})
+			s.fsyncSchedule.first = time.Hour
 			g := New(s, Options{})
 			var op counted
 			_, err := g.Do(ctx, Key{Name: "k"}, FingerprintOf("op", nil), op.charge)
@@ -187,7 +192,7 @@ func TestRedisFsyncRefused(t *testing.T) {
 				h.ServeHTTP(rr, keyed("k3", "{}"))
 				assert.False(t, ran, "FailOpen ran the handler")
 				assert.Equal(t, http.StatusServiceUnavailable, rr.Code)
-			}), "a call after the refusal sends nothing")
+			}), "a call within the back-off sends nothing")
 			assert.Zero(t, op.runs.Load())
 
 			_, err = newRedisStoreWith(t, srv.Client(), RedisOptions{Fsync: Fsync{Master: true}}).CheckPersistence(ctx)
@@ -217,29 +222,45 @@ func TestRedisFsyncMisconfigured(t *testing.T) {
 
 // CheckPersistence's answers, each from a real server configured so:
 // nothing (refused, unless the service accepts ErrNoPersistence), a process
-// crash, a power loss.
+// crash, a power loss; and with Fsync.Master, a master that cannot wait
+// (everysec, or a server without WAITAOF) refused with errCannotFsync.
 func TestRedisCheckPersistence(t *testing.T) {
 	ctx := t.Context()
+	everysec := "appendonly yes, appendfsync everysec (a power loss can lose about the last second"
 	for _, tc := range []struct {
 		args     []string
 		fsync    Fsync
 		survives Survival
 		why      string
+		refused  string // with fsync, on a server with WAITAOF
 	}{
-		{nil, Fsync{}, SurvivesNothing, "appendonly no"},
-		{[]string{"--appendonly", "yes", "--appendfsync", "no"}, Fsync{}, SurvivesProcessCrash, "appendonly yes, appendfsync no"},
-		{[]string{"--appendonly", "yes", "--appendfsync", "everysec"}, Fsync{}, SurvivesProcessCrash, "appendonly yes, appendfsync everysec"},
-		{[]string{"--appendonly", "yes", "--appendfsync", "always"}, Fsync{}, SurvivesPowerLoss, "appendonly yes, appendfsync always"},
-		{[]string{"--appendonly", "yes", "--appendfsync", "everysec"}, Fsync{Master: true}, SurvivesPowerLoss, "appendonly yes, appendfsync everysec, with RedisOptions.Fsync.Master"},
+		{nil, Fsync{}, SurvivesNothing, "appendonly no", ""},
+		{[]string{"--appendonly", "yes", "--appendfsync", "no"}, Fsync{}, SurvivesProcessCrash, "appendonly yes, appendfsync no", ""},
+		{[]string{"--appendonly", "yes", "--appendfsync", "everysec"}, Fsync{}, SurvivesProcessCrash, everysec + ")", ""},
+		{[]string{"--appendonly", "yes", "--appendfsync", "always"}, Fsync{}, SurvivesPowerLoss, "appendonly yes, appendfsync always", ""},
+		{[]string{"--appendonly", "yes", "--appendfsync", "always"}, Fsync{Master: true}, SurvivesPowerLoss, "appendonly yes, appendfsync always", ""},
+		{[]string{"--appendonly", "yes", "--appendfsync", "everysec"}, Fsync{Master: true}, SurvivesProcessCrash,
+			everysec + "; RedisOptions.Fsync.Master needs appendfsync always)", "has appendfsync everysec"},
 	} {
-		t.Run(tc.why, func(t *testing.T) {
+		name := tc.why
+		if tc.fsync.Master {
+			name = "Fsync.Master, " + name
+		}
+		t.Run(name, func(t *testing.T) {
 			srv := testserver.StartRedis(t, tc.args...)
-			if tc.fsync.on() {
-				skipWithoutWaitAOF(t, srv.Client())
+			refused := tc.refused
+			if tc.fsync.on() && !hasWaitAOF(t, srv.Client()) {
+				refused = "has no WAITAOF"
 			}
 			p, err := newRedisStoreWith(t, srv.Client(), RedisOptions{Fsync: tc.fsync}).CheckPersistence(ctx)
 			assert.Equal(t, Persistence{Survives: tc.survives, Reason: srv.Addr + ": " + tc.why}, p)
-			if tc.survives != SurvivesNothing {
+			switch {
+			case refused != "":
+				require.ErrorIs(t, err, errCannotFsync)
+				assert.ErrorContains(t, err, srv.Addr+" "+refused)
+				assert.NotErrorIs(t, err, ErrUnavailable)
+				return
+			case tc.survives != SurvivesNothing:
 				assert.NoError(t, err)
 				return
 			}

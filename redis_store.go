@@ -132,9 +132,12 @@ type RedisOptions struct {
 	// When the servers do not confirm within Fsync.Timeout, the call fails
 	// with ErrUnavailable and the operation does not run, as with Replicas.
 	// A master that cannot wait for its append-only file (appendonly no,
-	// appendfsync no, a server without WAITAOF) is refused with an error
-	// that names it, by CheckPersistence and by the store's first call to
-	// it, which then sends it nothing. Default: nothing waits for the disk.
+	// appendfsync no or, with Fsync.Master, everysec, a server without
+	// WAITAOF) is refused with an error that names it, by CheckPersistence
+	// and by the store's calls to it, until it is asked again after a
+	// back-off and found able; a claim on it is sent nothing, and an
+	// owner's write is stored without the wait and fails saying so (see
+	// Fsync). Default: nothing waits for the disk.
 	Fsync Fsync
 	// CompressAbove, when above 0, stores a response whose body is larger
 	// than that many bytes compressed (DEFLATE, fastest level), when that
@@ -194,6 +197,9 @@ type RedisStore struct {
 	replicas       int
 	replicaTimeout time.Duration
 	fsync          Fsync
+	// fsyncSchedule is when a master is asked again whether it can wait
+	// for its append-only file; set by NewRedisStore, only read after.
+	fsyncSchedule fsyncSchedule
 	// compressAbove is RedisOptions.CompressAbove; compressors holds
 	// *flate.Writer values for it to reuse.
 	compressAbove int
@@ -254,6 +260,7 @@ func NewRedisStore(c redis.UniversalClient, o RedisOptions) (*RedisStore, error)
 		replicas:       o.Replicas,
 		replicaTimeout: o.ReplicaTimeout,
 		fsync:          o.Fsync,
+		fsyncSchedule:  defaultFsyncSchedule(),
 		compressAbove:  o.CompressAbove,
 		batch:          &batcher{send: sendScripts(c)},
 	}
@@ -390,8 +397,11 @@ func (s *RedisStore) giveUp(ctx context.Context, k Key, c Claim) {
 // reply that is not an error when durable is nil, or one that durable
 // accepts) and the replicas did not confirm it, or it was not fsynced as
 // asked, unconfirmed says why: a failover or a power loss may lose that
-// change. A master found unable to wait for its append-only file
-// (errCannotFsync) is sent nothing: cmd fails with that error.
+// change. On a master refused by fsyncReady (errCannotFsync), a claim
+// (durable set) is sent nothing: cmd fails with the refusal. An owner's
+// write (durable nil) is sent without the WAITAOF, and unconfirmed is the
+// refusal: its operation may have acted, and its change kept unfsynced
+// loses less than none (see Fsync).
 func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable func(*redis.Cmd) bool) (cmd *redis.Cmd, unconfirmed error) {
 	if s.replicas == 0 && !s.fsync.on() {
 		return s.batch.run(ctx, sc, args).cmd, nil
@@ -403,15 +413,11 @@ func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable f
 		return failedCmd(err), nil
 	}
 	cn := s.confirmedNode(node)
-	if err := s.fsyncReady(ctx, node, cn); err != nil {
-		return failedCmd(err), nil
+	refused := s.fsyncReady(ctx, node, cn)
+	if refused != nil && (durable != nil || !errors.Is(refused, errCannotFsync)) {
+		return failedCmd(refused), nil
 	}
-	bc := cn.batch.run(ctx, sc, args)
-	if noScript(bc.cmd.Err()) {
-		sc.bySource(args)
-		bc = &batchCall{sc: sc, args: args}
-		s.sendConfirmed(node)(ctx, []*batchCall{bc})
-	}
+	bc := s.send(ctx, node, cn, sc, args, refused == nil)
 	cmd = bc.cmd
 	var reply redis.Error
 	switch err := cmd.Err(); {
@@ -432,12 +438,33 @@ func (s *RedisStore) eval(ctx context.Context, sc *script, args []any, durable f
 	if !keep(cmd) {
 		return cmd, nil
 	}
-	return cmd, s.confirmation(ctx, node, cn, bc)
+	return cmd, s.confirmation(ctx, node, cn, bc, refused)
+}
+
+// send sends sc with args on node, a master: with fsync, through cn's
+// batcher, whose pipelines end with the WAITAOF, and otherwise in a
+// pipeline of its own without one. A script the server lacks is sent again
+// by source.
+func (s *RedisStore) send(ctx context.Context, node *redis.Client, cn *confirmedNode, sc *script, args []any, fsync bool) *batchCall {
+	var bc *batchCall
+	if fsync {
+		bc = cn.batch.run(ctx, sc, args)
+	} else {
+		bc = &batchCall{sc: sc, args: args}
+		s.sendConfirmed(node, false)(ctx, []*batchCall{bc})
+	}
+	if noScript(bc.cmd.Err()) {
+		sc.bySource(args)
+		bc = &batchCall{sc: sc, args: args}
+		s.sendConfirmed(node, fsync)(ctx, []*batchCall{bc})
+	}
+	return bc
 }
 
 // confirmation judges the replies of the WAIT and the WAITAOF sent after
-// bc's script: nil when they confirm what RedisOptions asks.
-func (s *RedisStore) confirmation(ctx context.Context, node *redis.Client, cn *confirmedNode, bc *batchCall) error {
+// bc's script: nil when they confirm what RedisOptions asks. refused, when
+// set, is why bc went without a WAITAOF (see eval): it is not confirmed.
+func (s *RedisStore) confirmation(ctx context.Context, node *redis.Client, cn *confirmedNode, bc *batchCall, refused error) error {
 	if s.replicas > 0 {
 		switch n, err := bc.acks.Int64(); {
 		case err != nil:
@@ -447,15 +474,18 @@ func (s *RedisStore) confirmation(ctx context.Context, node *redis.Client, cn *c
 			return fmt.Errorf("%d of %d replicas acknowledged within %v", n, s.replicas, s.replicaTimeout)
 		}
 	}
-	if !s.fsync.on() {
+	switch {
+	case !s.fsync.on():
 		return nil
+	case refused != nil:
+		return refused
 	}
 	v, err := bc.fsynced.Int64Slice()
 	switch {
 	case err != nil:
 		if refused := s.fsyncRefusal(node, err); refused != nil {
-			cn.refuse(refused)
-			return refused
+			// appendonly switched off since the master was asked, say.
+			return cn.refuse(refused, s.fsyncSchedule)
 		}
 		s.reloadIfReplica(ctx, err)
 		return fmt.Errorf("waiting for the append-only file: %w", err)
@@ -478,12 +508,12 @@ func (s *RedisStore) reloadIfReplica(ctx context.Context, err error) {
 }
 
 // sendConfirmed sends batches on node, a master, each in one pipeline with
-// one WAIT and one WAITAOF after its scripts, as RedisOptions asks, which
-// go-redis writes on one connection: each covers every write made before it
-// on its connection, so one confirms them all, and the scripts share one
-// fsync. A WAIT or WAITAOF after scripts that wrote nothing returns at
-// once, unless replicas are missing or lag.
-func (s *RedisStore) sendConfirmed(node *redis.Client) func(context.Context, []*batchCall) {
+// one WAIT and, with fsync, one WAITAOF after its scripts, as RedisOptions
+// asks, which go-redis writes on one connection: each covers every write
+// made before it on its connection, so one confirms them all, and the
+// scripts share one fsync. A WAIT or WAITAOF after scripts that wrote
+// nothing returns at once, unless replicas are missing or lag.
+func (s *RedisStore) sendConfirmed(node *redis.Client, fsync bool) func(context.Context, []*batchCall) {
 	return func(ctx context.Context, batch []*batchCall) {
 		_, err := node.Pipelined(ctx, func(p redis.Pipeliner) error {
 			queueScripts(ctx, p, batch)
@@ -491,7 +521,7 @@ func (s *RedisStore) sendConfirmed(node *redis.Client) func(context.Context, []*
 			if s.replicas > 0 {
 				acks = p.Do(ctx, "WAIT", s.replicas, s.replicaTimeout.Milliseconds())
 			}
-			if s.fsync.on() {
+			if fsync && s.fsync.on() {
 				fsynced = p.Do(ctx, "WAITAOF", s.fsync.local(), s.fsync.Replicas, s.fsync.Timeout.Milliseconds())
 			}
 			for _, bc := range batch {
@@ -504,8 +534,9 @@ func (s *RedisStore) sendConfirmed(node *redis.Client) func(context.Context, []*
 }
 
 // unavailable is the failure of op, err: an error wrapping ErrUnavailable,
-// unless err says that RedisOptions.Fsync cannot be met, which no retry
-// mends.
+// unless err says that RedisOptions.Fsync cannot be met (errCannotFsync):
+// the master answers, and Options.FailOpen must not run operations
+// unguarded on it.
 func unavailable(op string, err error) error {
 	if errors.Is(err, errCannotFsync) {
 		return fmt.Errorf("%s: %w", op, err)
@@ -628,10 +659,16 @@ func luaBool(b bool) any {
 	return "0"
 }
 
-// settled is the outcome of a settling script run by eval.
+// settled is the outcome of an owner's write run by eval. A write the
+// master kept but could not fsync (errCannotFsync) fails with
+// ErrUnavailable, as one whose wait timed out, saying that it is stored:
+// a retry replays it.
 func settled(op string, cmd *redis.Cmd, unconfirmed error) error {
 	if err := fenced(op, cmd.Err()); err != nil {
 		return err
+	}
+	if errors.Is(unconfirmed, errCannotFsync) {
+		return storeerr.Unavailable(op, fmt.Errorf("%w: %w", errNotFsynced, unconfirmed))
 	}
 	if unconfirmed != nil {
 		return unavailable(op, unconfirmed)
@@ -818,9 +855,9 @@ const (
 	// written out).
 	SurvivesProcessCrash
 	// SurvivesPowerLoss: every write the store was answered is on disk:
-	// appendonly yes with appendfsync always, or, on a master,
-	// appendfsync everysec with RedisOptions.Fsync.Master, which has the
-	// writes that decide an operation wait for the fsync.
+	// appendonly yes with appendfsync always. Not everysec, even with
+	// RedisOptions.Fsync.Master, whose WAITAOF may answer there before
+	// the fsync (see Fsync.Master).
 	SurvivesPowerLoss
 )
 

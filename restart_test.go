@@ -22,11 +22,11 @@ import (
 // once it is back.
 //
 // With RedisOptions.Fsync.Master, what decides an operation waits for the
-// master's fsync (WAITAOF): with appendfsync everysec, nothing answered may
-// be lost either. A server that cannot wait (appendfsync no, which never
-// fsyncs on its own, or one without WAITAOF, such as Redis 7.0) is refused
-// before the load: CheckPersistence and the first call name the reason,
-// and no operation runs. Run it on Valkey with
+// master's fsync (WAITAOF), which needs appendfsync always. A server that
+// cannot wait (appendfsync no, which never fsyncs on its own; everysec,
+// where WAITAOF may answer before the fsync; or one without WAITAOF, such
+// as Redis 7.0) is refused before the load: CheckPersistence and the first
+// call name the reason, and no operation runs. Run it on Valkey with
 // IDEMPOTENCY_REDIS_SERVER=valkey-server.
 func TestRedisRestart(t *testing.T) {
 	t.Parallel() // a server of its own: runs beside the other long suites
@@ -41,7 +41,8 @@ func TestRedisRestart(t *testing.T) {
 		{"redis", []string{"--appendonly", "yes", "--appendfsync", "always"}, idempotency.RedisOptions{}, true, false},
 		{"redis-everysec", []string{"--appendonly", "yes", "--appendfsync", "everysec"}, idempotency.RedisOptions{}, false, false},
 		{"redis-nofsync", nil, idempotency.RedisOptions{}, false, false}, // StartRedis's default: no AOF, no RDB
-		{"redis-fsync-everysec", []string{"--appendonly", "yes", "--appendfsync", "everysec"}, fsync, true, false},
+		{"redis-fsync-always", []string{"--appendonly", "yes", "--appendfsync", "always"}, fsync, true, false},
+		{"redis-fsync-everysec", []string{"--appendonly", "yes", "--appendfsync", "everysec"}, fsync, false, true},
 		{"redis-fsync-appendfsync-no", []string{"--appendonly", "yes", "--appendfsync", "no"}, fsync, false, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
