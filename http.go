@@ -78,6 +78,15 @@ type MiddlewareOptions struct {
 	// (store unavailable, outcome not stored), in whole seconds rounded
 	// up, at least 1. Default 1s.
 	RetryAfter time.Duration
+	// KeyTime, when set, tells when the request's key was made: UUIDv7Time
+	// reads it from a UUIDv7 key, and a function of one's own can read a
+	// header the client sends with its first attempt. A request whose key
+	// is older than Options.Retention and has no record left is refused
+	// with 400 (key-expired, ErrKeyExpired) instead of running again: its
+	// first attempt's answer may have expired with the record. A record
+	// still kept is replayed or resumed as usual. ok false: not known, and
+	// the request is served as any other. Default nil: never refused.
+	KeyTime func(r *http.Request, key string) (made time.Time, ok bool)
 	// Errors writes every error answer: its status, Content-Type and body,
 	// from the Problem. Cache-Control: no-store and, with 409 and 503,
 	// Retry-After are set before it is called. Default ProblemDetails
@@ -240,6 +249,11 @@ func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.g.report(r.Context(), k.Scope, &cs, Result{}, err)
 		h.fail(w, r, err)
 		return
+	}
+	if h.o.KeyTime != nil {
+		if made, ok := h.o.KeyTime(r, k.Name); ok {
+			cs.keyMade = made
+		}
 	}
 	x := &exchange{h: h, w: w, r: r, body: body}
 	x.serve(&cs, k, requestFingerprint(r, body, h.o.FingerprintHeaders))

@@ -88,6 +88,12 @@ var (
 	// ErrUnknown is for Options.Recover to return when it cannot yet tell
 	// what became of an abandoned operation.
 	ErrUnknown = errors.New("idempotency: outcome of the abandoned attempt not known yet")
+	// ErrKeyExpired: the key was made longer ago than Options.Retention
+	// (MiddlewareOptions.KeyTime tells when) and no record of it is left:
+	// the request may retry an operation whose answer is no longer kept, so
+	// it is refused instead of run blindly. Nothing ran; the client must
+	// learn the operation's fate another way, and use a new key.
+	ErrKeyExpired = errors.New("idempotency: key older than the retention")
 	// ErrInvalidKey: the idempotency key is empty, longer than MaxKeyLength,
 	// or holds a byte that is not visible ASCII.
 	ErrInvalidKey = errors.New("idempotency: invalid key")
@@ -415,6 +421,9 @@ func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx conte
 	if c.State == Completed {
 		return Result{Response: c.Response, Replayed: true, OperationID: c.OperationID}, nil
 	}
+	if err := g.refuseExpired(ctx, k, c, cs); err != nil {
+		return Result{}, err
+	}
 	if c.Attempt > 1 {
 		g.observe(ctx, Event{Kind: EventTakeover, Scope: k.Scope, Attempt: c.Attempt, Abandoned: c.Abandoned})
 	}
@@ -430,6 +439,25 @@ func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx conte
 		cs.op = o.cs.op
 	}
 	return res, err
+}
+
+// refuseExpired refuses a claim that made the record of a key made longer
+// ago than the retention: its first attempt's record, if it had one, is
+// gone, so the operation may have run. The new record is given back as it
+// was found: absent.
+func (g *Guard) refuseExpired(ctx context.Context, k Key, c Claim, cs *callState) error {
+	if cs.keyMade.IsZero() || c.Attempt != 1 {
+		return nil
+	}
+	age := time.Since(cs.keyMade)
+	if age <= g.opts.Retention {
+		return nil
+	}
+	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), g.opts.Lease)
+	defer cancel()
+	_ = giveBack(bctx, g.store, k, c) // a record left behind is taken over after its lease
+	cs.decided = OutcomeRejected
+	return fmt.Errorf("%w: made %v ago, retention %v", ErrKeyExpired, age.Round(time.Second), g.opts.Retention)
 }
 
 // claim claims k, waiting while another owner holds it, until the caller owns

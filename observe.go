@@ -143,9 +143,10 @@ const (
 	// OutcomeClientGone: the caller's context ended before the answer: the
 	// client went away. The store may be healthy.
 	OutcomeClientGone
-	// OutcomeRejected: the middleware refused the request before the store
-	// was asked, for its scope (MiddlewareOptions.Scope failed) or its body
-	// (unreadable, or over MaxRequestBytes).
+	// OutcomeRejected: the middleware refused the request before it ran,
+	// for its scope (MiddlewareOptions.Scope failed), its body (unreadable,
+	// or over MaxRequestBytes), or a key older than the retention whose
+	// record is gone (ErrKeyExpired).
 	OutcomeRejected
 )
 
@@ -220,7 +221,8 @@ type callState struct {
 	waited        time.Duration
 	op            string // the store call that failed, if one did
 	disposition   Disposition
-	owned         bool // the call became the owner
+	owned         bool      // the call became the owner
+	keyMade       time.Time // when the key was made, if the transport knows (see refuseExpired)
 	attempt       int
 	recovered     bool // Options.Recover settled the record
 	unknown       bool // Options.Recover could not tell

@@ -54,7 +54,7 @@ func StripeErrors(w http.ResponseWriter, _ *http.Request, p Problem) {
 		status, kind = http.StatusBadRequest, "idempotency_error"
 	case codeBodyTooLarge:
 		status = http.StatusBadRequest
-	case codeMissingKey, codeRepeatedKey, codeInvalidKey, codeInFlight:
+	case codeMissingKey, codeRepeatedKey, codeInvalidKey, codeKeyExpired, codeInFlight:
 		kind = "idempotency_error"
 	case codeOutcomeNotRecorded, codeStoreUnavailable, codeClientGone:
 		kind = "api_error"
@@ -78,6 +78,7 @@ const (
 	codeUnreadableBody     = "unreadable-body"
 	codeBodyTooLarge       = "body-too-large"
 	codeKeyReused          = "key-reused"
+	codeKeyExpired         = "key-expired"
 	codeInFlight           = "in-flight"
 	codeOutcomeNotRecorded = "outcome-not-recorded"
 	codeStoreUnavailable   = "store-unavailable"
@@ -113,6 +114,9 @@ func problemFor(err error) Problem {
 	case errors.Is(err, errClientGone):
 		return p(codeClientGone, statusClientClosedRequest, "Client closed request",
 			"The client went away before the answer.")
+	case errors.Is(err, ErrKeyExpired):
+		return p(codeKeyExpired, http.StatusBadRequest, "Idempotency-Key expired",
+			"This Idempotency-Key is older than the server keeps answers for, and its answer is gone; the request did not run. Check whether the operation happened, then use a new key.")
 	case errors.Is(err, ErrMismatch):
 		return p(codeKeyReused, http.StatusUnprocessableEntity, "Idempotency-Key reused",
 			"This Idempotency-Key was used before with a different request.")
