@@ -19,18 +19,19 @@ func Example() {
 	guard := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
 	charges := 0
 	createCharge := func(c *gin.Context) {
-		// The attempt is in the request's context, not in c.
-		key, err := idempotency.DownstreamKey(c.Request.Context(), "gateway")
+		// c carries the attempt, as c.Request.Context() does.
+		key, err := idempotency.DownstreamKey(c, "gateway")
 		if err != nil {
 			c.AbortWithStatus(http.StatusInternalServerError)
 			return
 		}
-		_ = key // provider.Charge(c.Request.Context(), amount, key)
+		_ = key // provider.Charge(c, amount, key)
 		charges++
 		c.JSON(http.StatusCreated, gin.H{"id": fmt.Sprint("ch_", charges)})
 	}
 	r := gin.New()
-	r.Use(gin.Recovery()) // before the adapter: a panic releases the key, then reaches it
+	r.ContextWithFallback = true // required: c is then the attempt's context.Context
+	r.Use(gin.Recovery())        // before the adapter: a panic releases the key, then reaches it
 	r.POST("/v1/charges", idempotencygin.Middleware(guard, idempotency.MiddlewareOptions{
 		Scope: func(r *http.Request) (string, error) { return r.Header.Get("X-Account-ID"), nil },
 	}), createCharge)
@@ -56,6 +57,7 @@ func Example() {
 func ExampleMiddleware_group() {
 	guard := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
 	r := gin.New()
+	r.ContextWithFallback = true
 	v1 := r.Group("/v1", idempotencygin.Middleware(guard, idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant}))
 	runs := 0
 	v1.GET("/balance", func(c *gin.Context) { runs++; c.String(http.StatusOK, "%d", runs) })

@@ -33,10 +33,18 @@ func newGuard() *idempotency.Guard {
 	return idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
 }
 
+// newEngine is a gin engine as the adapter needs it: with
+// ContextWithFallback, so that c carries the attempt.
+func newEngine() *gin.Engine {
+	r := gin.New()
+	r.ContextWithFallback = true
+	return r
+}
+
 // charges is a gin engine whose POST /v1/charges runs handlers behind the
 // adapter.
 func charges(g *idempotency.Guard, o idempotency.MiddlewareOptions, handlers ...gin.HandlerFunc) *gin.Engine {
-	r := gin.New()
+	r := newEngine()
 	r.POST("/v1/charges", append([]gin.HandlerFunc{idempotencygin.Middleware(g, o)}, handlers...)...)
 	return r
 }
@@ -76,7 +84,7 @@ func createCharge(runs *atomic.Int64) gin.HandlerFunc {
 func TestReplayByteForByte(t *testing.T) {
 	var runs atomic.Int64
 	var statuses []int
-	r := gin.New()
+	r := newEngine()
 	r.Use(func(c *gin.Context) {
 		c.Next()
 		statuses = append(statuses, c.Writer.Status())
@@ -184,7 +192,7 @@ func TestStripeErrors(t *testing.T) {
 // aborts claims nothing: the key stays free for the request that passes.
 func TestAbortBeforeTheAdapter(t *testing.T) {
 	var runs atomic.Int64
-	r := gin.New()
+	r := newEngine()
 	r.Use(func(c *gin.Context) {
 		if c.GetHeader("Authorization") == "" {
 			c.AbortWithStatusJSON(http.StatusUnauthorized, gin.H{"error": "unauthenticated"})
@@ -342,6 +350,103 @@ func TestErrorsRenderedAfterTheAdapter(t *testing.T) {
 	assert.Equal(t, int64(2), runs.Load())
 }
 
+// renderErrors is error-rendering middleware as gin apps write it: once
+// the handlers return, it answers the last error they recorded, if they
+// wrote nothing, with the status they set when it is an error's, else 500.
+func renderErrors(c *gin.Context) {
+	c.Next()
+	if err := c.Errors.Last(); err != nil && !c.Writer.Written() {
+		status := c.Writer.Status()
+		if status < http.StatusBadRequest {
+			status = http.StatusInternalServerError
+		}
+		c.JSON(status, gin.H{"error": err.Error()})
+	}
+}
+
+// TestErrorsRenderedBeforeTheAdapter: with the renderer before the adapter,
+// the layout most gin apps have, handlers that record an error and write
+// nothing have their key released, and the renderer's answer, with the
+// status and header fields they set, reaches the client: not an empty 200,
+// and nothing stored, so the retry runs the handler again as the same
+// operation. Without a renderer, gin sends what it would without the
+// adapter, the status set and no body, and the key is released all the
+// same. Handlers that write a response and record an error are answered
+// with what they wrote, kept and replayed; the renderer finds it sent.
+func TestErrorsRenderedBeforeTheAdapter(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		renderer bool
+		fail     func(c *gin.Context)
+		status   int
+		body     string
+	}{
+		{"error", true, func(c *gin.Context) { _ = c.Error(errors.New("gateway down")) },
+			http.StatusInternalServerError, `{"error":"gateway down"}`},
+		{"status and error", true, func(c *gin.Context) {
+			c.Status(http.StatusPaymentRequired) // kept, were it written
+			_ = c.Error(errors.New("card declined"))
+		}, http.StatusPaymentRequired, `{"error":"card declined"}`},
+		{"no renderer", false, func(c *gin.Context) { _ = c.Error(errors.New("gateway down")) },
+			http.StatusOK, ``},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var ops []string
+			r := newEngine()
+			if c.renderer {
+				r.Use(renderErrors)
+			}
+			r.POST("/v1/charges", idempotencygin.Middleware(newGuard(), singleTenant), func(gc *gin.Context) {
+				info, _ := idempotency.FromContext(gc)
+				ops = append(ops, info.OperationID)
+				if len(ops) == 1 {
+					gc.Header("X-Charge", "ch_1")
+					c.fail(gc)
+					return
+				}
+				gc.JSON(http.StatusCreated, gin.H{"attempt": info.Attempt})
+			})
+
+			rr := post(r, "k1", `{}`)
+			assert.Equal(t, c.status, rr.Code)
+			if c.body == "" {
+				assert.Empty(t, rr.Body.String())
+			} else {
+				assert.JSONEq(t, c.body, rr.Body.String())
+			}
+			assert.Equal(t, "ch_1", rr.Header().Get("X-Charge"), "the handler's header fields")
+			assert.Empty(t, rr.Header().Get(idempotency.HeaderReplayed))
+
+			for i := range 2 {
+				rr = post(r, "k1", `{}`)
+				assert.Equal(t, http.StatusCreated, rr.Code)
+				assert.JSONEq(t, `{"attempt":2}`, rr.Body.String(), "released")
+				assert.Equal(t, i == 1, rr.Header().Get(idempotency.HeaderReplayed) == "true")
+			}
+			require.Len(t, ops, 2, "the retry ran the handler")
+			assert.Equal(t, ops[0], ops[1])
+		})
+	}
+
+	t.Run("written and error", func(t *testing.T) {
+		var runs atomic.Int64
+		r := newEngine()
+		r.Use(renderErrors)
+		r.POST("/v1/charges", idempotencygin.Middleware(newGuard(), singleTenant), func(c *gin.Context) {
+			runs.Add(1)
+			c.JSON(http.StatusCreated, gin.H{"id": "ch_1"})
+			_ = c.Error(errors.New("receipt mail failed"))
+		})
+		for i := range 2 {
+			rr := post(r, "k1", `{}`)
+			assert.Equal(t, http.StatusCreated, rr.Code)
+			assert.JSONEq(t, `{"id":"ch_1"}`, rr.Body.String())
+			assert.Equal(t, i == 1, rr.Header().Get(idempotency.HeaderReplayed) == "true")
+		}
+		assert.Equal(t, int64(1), runs.Load(), "kept")
+	})
+}
+
 // panicky panics on its first run, after writing part of its answer when
 // partial is set; then it answers its attempt.
 func panicky(runs *atomic.Int64, partial bool) gin.HandlerFunc {
@@ -377,7 +482,7 @@ func TestPanicReleases(t *testing.T) {
 			var runs atomic.Int64
 			recovery := gin.RecoveryWithWriter(io.Discard)
 			guard := idempotencygin.Middleware(newGuard(), singleTenant)
-			r := gin.New()
+			r := newEngine()
 			if c.before {
 				r.POST("/v1/charges", recovery, guard, panicky(&runs, c.partial))
 			} else {
@@ -450,49 +555,116 @@ func TestResponseOverMaxResponseBytes(t *testing.T) {
 	assert.Equal(t, int64(1), runs.Load())
 }
 
-// TestOperationInHandler: c.Request.Context() carries the attempt:
-// FromContext, DownstreamKey and Step work in it, and a retry after a
-// release resumes after the recorded step with the same downstream key.
-// The gin.Context itself carries it only with ContextWithFallback.
+// TestOperationInHandler: c.Request.Context() carries the attempt, and so
+// does c itself: FromContext, DownstreamKey, Step and SetDisposition work
+// in either, and c.Done() is the attempt's. A retry after a release
+// resumes after the recorded step with the same downstream key.
 func TestOperationInHandler(t *testing.T) {
 	var steps atomic.Int64
 	type seen struct {
-		op, downstream string
-		attempt        int
-		receipt        string
-		onContext      bool
+		op, downstream, onC string
+		attempt             int
+		receipt             string
 	}
 	var runs []seen
 	handler := func(c *gin.Context) {
 		ctx := c.Request.Context()
 		info, ok := idempotency.FromContext(ctx)
 		require.True(t, ok)
+		onC, ok := idempotency.FromContext(c)
+		require.True(t, ok, "c carries the attempt")
+		assert.Same(t, info, onC)
+		assert.NotNil(t, c.Done())
+		assert.Equal(t, ctx.Done(), c.Done())
 		dk, err := idempotency.DownstreamKey(ctx, "gateway")
 		require.NoError(t, err)
-		receipt, err := idempotency.Step(ctx, "charge", func(context.Context) (string, error) {
+		dkOnC, err := idempotency.DownstreamKey(c, "gateway")
+		require.NoError(t, err)
+		receipt, err := idempotency.Step(c, "charge", func(context.Context) (string, error) {
 			return fmt.Sprint("rc_", steps.Add(1)), nil
 		})
 		require.NoError(t, err)
-		_, onContext := idempotency.FromContext(c)
-		runs = append(runs, seen{info.OperationID, dk, info.Attempt, receipt, onContext})
+		runs = append(runs, seen{info.OperationID, dk, dkOnC, info.Attempt, receipt})
 		if len(runs) == 1 {
-			c.Status(http.StatusBadGateway) // the receipt could not be sent: released
-			return
+			// The receipt could not be sent: released, though the status
+			// alone would keep it.
+			assert.True(t, idempotency.SetDisposition(c, idempotency.Release))
 		}
-		c.JSON(http.StatusCreated, gin.H{"receipt": receipt})
+		c.JSON(http.StatusCreated, gin.H{"receipt": receipt, "attempt": info.Attempt})
 	}
 	r := charges(newGuard(), singleTenant, handler)
-	assert.Equal(t, http.StatusBadGateway, post(r, "k1", `{}`).Code)
-	r.ContextWithFallback = true
-	assert.JSONEq(t, `{"receipt":"rc_1"}`, post(r, "k1", `{}`).Body.String())
+	assert.JSONEq(t, `{"receipt":"rc_1","attempt":1}`, post(r, "k1", `{}`).Body.String())
+	assert.JSONEq(t, `{"receipt":"rc_1","attempt":2}`, post(r, "k1", `{}`).Body.String(), "released")
+	again := post(r, "k1", `{}`)
+	assert.JSONEq(t, `{"receipt":"rc_1","attempt":2}`, again.Body.String())
+	assert.Equal(t, "true", again.Header().Get(idempotency.HeaderReplayed))
 
 	require.Len(t, runs, 2)
 	assert.Equal(t, int64(1), steps.Load(), "the step ran once")
 	assert.Equal(t, []int{1, 2}, []int{runs[0].attempt, runs[1].attempt})
 	assert.Equal(t, runs[0].op, runs[1].op)
 	assert.Equal(t, runs[0].downstream, runs[1].downstream)
+	assert.Equal(t, runs[0].downstream, runs[0].onC)
+	assert.Equal(t, runs[1].downstream, runs[1].onC)
 	assert.Equal(t, "rc_1", runs[1].receipt)
-	assert.Equal(t, []bool{false, true}, []bool{runs[0].onContext, runs[1].onContext})
+}
+
+// TestContextWithoutFallback: on an engine without ContextWithFallback, c
+// would carry no attempt, so a guarded request is refused out loud: a 500
+// problem naming the setting, ErrContextWithoutFallback in c.Errors for
+// the middleware before the adapter, and no handler after it runs. The
+// record is forgotten: once the engine sets it, the key runs as a new
+// operation. Requests that are not guarded pass through.
+func TestContextWithoutFallback(t *testing.T) {
+	var runs atomic.Int64
+	var recorded []error
+	r := gin.New()
+	r.Use(func(c *gin.Context) {
+		c.Next()
+		for _, e := range c.Errors {
+			recorded = append(recorded, e.Err)
+		}
+	})
+	handler := func(c *gin.Context) {
+		info, _ := idempotency.FromContext(c)
+		runs.Add(1)
+		c.JSON(http.StatusCreated, gin.H{"attempt": info.Attempt})
+	}
+	r.POST("/v1/charges", idempotencygin.Middleware(newGuard(), singleTenant), handler)
+	r.GET("/v1/charges", idempotencygin.Middleware(newGuard(), singleTenant), func(c *gin.Context) {
+		runs.Add(1)
+		c.String(http.StatusOK, "listed")
+	})
+
+	for range 2 {
+		rr := post(r, "k1", `{}`)
+		assert.Equal(t, http.StatusInternalServerError, rr.Code)
+		assert.Equal(t, "application/problem+json", rr.Header().Get("Content-Type"))
+		assert.Equal(t, "no-store", rr.Header().Get("Cache-Control"))
+		var p idempotency.Problem
+		require.NoError(t, json.Unmarshal(rr.Body.Bytes(), &p), rr.Body.String())
+		assert.Equal(t, "context-without-fallback", p.Code)
+		assert.Equal(t, idempotency.ProblemTypes+"context-without-fallback", p.Type)
+		assert.Contains(t, p.Detail, "ContextWithFallback")
+		assert.Empty(t, rr.Header().Get(idempotency.HeaderReplayed))
+	}
+	assert.Equal(t, int64(0), runs.Load(), "no handler ran")
+	require.Len(t, recorded, 2)
+	for _, err := range recorded {
+		assert.ErrorIs(t, err, idempotencygin.ErrContextWithoutFallback)
+		assert.Contains(t, err.Error(), "ContextWithFallback = true")
+	}
+
+	req := httptest.NewRequest(http.MethodGet, "/v1/charges", nil)
+	req.Header.Set(idempotency.HeaderKey, "k1")
+	rr := httptest.NewRecorder()
+	r.ServeHTTP(rr, req)
+	assert.Equal(t, "listed", rr.Body.String(), "a GET is not guarded")
+
+	r.ContextWithFallback = true
+	rr = post(r, "k1", `{}`)
+	assert.Equal(t, http.StatusCreated, rr.Code)
+	assert.JSONEq(t, `{"attempt":1}`, rr.Body.String(), "forgotten: a new operation")
 }
 
 // TestPassThrough: a method that is not guarded reaches the handler with
@@ -504,7 +676,7 @@ func TestPassThrough(t *testing.T) {
 		req *http.Request
 		w   gin.ResponseWriter
 	}
-	r := gin.New()
+	r := newEngine()
 	r.Use(func(c *gin.Context) { outer.req, outer.w = c.Request, c.Writer }, idempotencygin.Middleware(newGuard(), singleTenant))
 	handler := func(c *gin.Context) {
 		runs.Add(1)
@@ -549,7 +721,7 @@ func (o *routes) Observe(_ context.Context, e idempotency.Event) {
 func TestRoute(t *testing.T) {
 	obs := &routes{}
 	g := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{Observer: obs})
-	r := gin.New()
+	r := newEngine()
 	r.POST("/v1/charges/:id/capture", idempotencygin.Middleware(g, singleTenant), func(c *gin.Context) {
 		c.String(http.StatusOK, c.Param("id"))
 	})
@@ -589,7 +761,7 @@ func TestCompletedOutside(t *testing.T) {
 // TestNoRoute: on r.Use, the adapter runs for a request that matches no
 // route too; gin's 404 is its answer, kept and replayed.
 func TestNoRoute(t *testing.T) {
-	r := gin.New()
+	r := newEngine()
 	r.Use(idempotencygin.Middleware(newGuard(), singleTenant))
 	r.POST("/v1/charges", func(c *gin.Context) { c.Status(http.StatusCreated) })
 	for i := range 2 {

@@ -1,6 +1,8 @@
 package idempotencygin_test
 
 import (
+	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -60,7 +62,7 @@ func TestRedisEndToEnd(t *testing.T) {
 		store, err := idempotency.NewRedisStore(srv.Client(), idempotency.RedisOptions{})
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = store.Close() })
-		r := gin.New()
+		r := newEngine()
 		r.Use(gin.RecoveryWithWriter(io.Discard))
 		r.POST("/v1/charges", idempotencygin.Middleware(idempotency.New(store, idempotency.Options{}), idempotency.MiddlewareOptions{
 			Scope: func(r *http.Request) (string, error) { return r.Header.Get("X-Account-ID"), nil },
@@ -98,4 +100,164 @@ func TestRedisEndToEnd(t *testing.T) {
 	reused := send(t, b, "order-1842", `{"amount":1}`)
 	assert.Equal(t, http.StatusUnprocessableEntity, reused.status)
 	assert.Equal(t, int64(1), runs.Load())
+}
+
+// redisGuard is a Guard of its own on srv, as one instance of a service.
+func redisGuard(t *testing.T, srv *testserver.Redis) *idempotency.Guard {
+	store, err := idempotency.NewRedisStore(srv.Client(), idempotency.RedisOptions{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = store.Close() })
+	return idempotency.New(store, idempotency.Options{})
+}
+
+// serve serves r over real HTTP until the test ends, and returns its URL.
+func serve(t *testing.T, r *gin.Engine) string {
+	hs := httptest.NewServer(r)
+	t.Cleanup(hs.Close)
+	return hs.URL
+}
+
+var byAccount = idempotency.MiddlewareOptions{
+	Scope: func(r *http.Request) (string, error) { return r.Header.Get("X-Account-ID"), nil },
+}
+
+// TestRedisErrorRenderedBeforeTheAdapter: on redis-server, with the
+// error renderer before the adapter, a handler that records an error and
+// writes nothing gets the renderer's answer to the client, and the record
+// is released, not completed: the retry runs the handler again as the same
+// operation, and its answer is the one kept. A handler that writes a body
+// and records an error has that body kept and replayed.
+func TestRedisErrorRenderedBeforeTheAdapter(t *testing.T) {
+	srv := testserver.StartRedis(t)
+	var mu sync.Mutex
+	var ops []string
+	r := newEngine()
+	r.Use(renderErrors)
+	r.POST("/v1/charges", idempotencygin.Middleware(redisGuard(t, srv), byAccount), func(c *gin.Context) {
+		info, _ := idempotency.FromContext(c)
+		mu.Lock()
+		ops = append(ops, info.OperationID)
+		mu.Unlock()
+		switch {
+		case c.GetHeader(idempotency.HeaderKey) == "mail" && info.Attempt == 1:
+			c.JSON(http.StatusCreated, gin.H{"id": "ch_mail"})
+			_ = c.Error(errors.New("receipt mail failed"))
+		case info.Attempt == 1:
+			c.Status(http.StatusBadGateway)
+			_ = c.Error(errors.New("gateway down"))
+		default:
+			c.JSON(http.StatusCreated, gin.H{"attempt": info.Attempt})
+		}
+	})
+	url := serve(t, r)
+
+	first := send(t, url, "order-1", `{"amount":1}`)
+	assert.Equal(t, http.StatusBadGateway, first.status)
+	assert.JSONEq(t, `{"error":"gateway down"}`, first.body)
+	assert.False(t, first.replayed)
+	for i := range 2 {
+		got := send(t, url, "order-1", `{"amount":1}`)
+		assert.Equal(t, http.StatusCreated, got.status)
+		assert.JSONEq(t, `{"attempt":2}`, got.body, "released: the retry ran")
+		assert.Equal(t, i == 1, got.replayed)
+	}
+	mu.Lock()
+	if assert.Len(t, ops, 2) {
+		assert.Equal(t, ops[0], ops[1], "one operation")
+	}
+	mu.Unlock()
+
+	for i := range 2 {
+		got := send(t, url, "mail", `{"amount":1}`)
+		assert.Equal(t, http.StatusCreated, got.status)
+		assert.JSONEq(t, `{"id":"ch_mail"}`, got.body)
+		assert.Equal(t, i == 1, got.replayed)
+	}
+	mu.Lock()
+	assert.Len(t, ops, 3, "the written answer was kept")
+	mu.Unlock()
+}
+
+// TestRedisContextFallback: on redis-server, with ContextWithFallback the
+// handler passes c as its context: SetDisposition(c, Release) releases a
+// 201, and DownstreamKey(c, ...) is the same on the retry. An instance on
+// the same store whose engine lacks the setting refuses loudly, runs
+// nothing and forgets the record, so the key then runs as a new operation.
+func TestRedisContextFallback(t *testing.T) {
+	srv := testserver.StartRedis(t)
+	var mu sync.Mutex
+	var keys []string
+	var attempts []int
+	handler := func(c *gin.Context) {
+		info, ok := idempotency.FromContext(c)
+		require.True(t, ok)
+		dk, err := idempotency.DownstreamKey(c, "gateway")
+		require.NoError(t, err)
+		mu.Lock()
+		keys, attempts = append(keys, dk), append(attempts, info.Attempt)
+		mu.Unlock()
+		if info.Attempt == 1 {
+			assert.True(t, idempotency.SetDisposition(c, idempotency.Release))
+		}
+		c.JSON(http.StatusCreated, gin.H{"attempt": info.Attempt})
+	}
+	misconfigured := gin.New()
+	misconfigured.POST("/v1/charges", idempotencygin.Middleware(redisGuard(t, srv), byAccount), handler)
+	configured := newEngine()
+	configured.POST("/v1/charges", idempotencygin.Middleware(redisGuard(t, srv), byAccount), handler)
+	a, b := serve(t, misconfigured), serve(t, configured)
+
+	refused := send(t, a, "order-1", `{"amount":1}`)
+	assert.Equal(t, http.StatusInternalServerError, refused.status)
+	assert.Contains(t, refused.body, `"code":"context-without-fallback"`)
+	assert.Contains(t, refused.body, "ContextWithFallback")
+	mu.Lock()
+	assert.Empty(t, keys, "no handler ran")
+	mu.Unlock()
+
+	assert.JSONEq(t, `{"attempt":1}`, send(t, b, "order-1", `{"amount":1}`).body, "forgotten: a new operation")
+	assert.JSONEq(t, `{"attempt":2}`, send(t, b, "order-1", `{"amount":1}`).body, "released by SetDisposition(c, Release)")
+	again := send(t, b, "order-1", `{"amount":1}`)
+	assert.JSONEq(t, `{"attempt":2}`, again.body)
+	assert.True(t, again.replayed)
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, []int{1, 2}, attempts)
+	require.Len(t, keys, 2)
+	assert.Equal(t, keys[0], keys[1], "one downstream key")
+}
+
+// TestRedisPanicAfterTheBodyBegan: on redis-server, a handler that panics
+// once it has begun its body has its key released, whether gin.Recovery
+// goes before the adapter or after it: the retry runs the handler again,
+// and its answer is the one kept.
+func TestRedisPanicAfterTheBodyBegan(t *testing.T) {
+	srv := testserver.StartRedis(t)
+	for _, before := range []bool{true, false} {
+		t.Run(fmt.Sprintf("recovery before %t", before), func(t *testing.T) {
+			var runs atomic.Int64
+			recovery := gin.RecoveryWithWriter(io.Discard)
+			guard := idempotencygin.Middleware(redisGuard(t, srv), byAccount)
+			r := newEngine()
+			if before {
+				r.POST("/v1/charges", recovery, guard, panicky(&runs, true))
+			} else {
+				r.POST("/v1/charges", guard, recovery, panicky(&runs, true))
+			}
+			url := serve(t, r)
+			key := fmt.Sprint("panic-", before)
+			want := http.StatusOK // the begun body, which gin sends
+			if before {
+				want = http.StatusInternalServerError // gin.Recovery's, on gin's writer
+			}
+			assert.Equal(t, want, send(t, url, key, `{}`).status)
+			for i := range 2 {
+				got := send(t, url, key, `{}`)
+				assert.Equal(t, http.StatusCreated, got.status)
+				assert.JSONEq(t, `{"attempt":2,"takeover":true}`, got.body)
+				assert.Equal(t, i == 1, got.replayed)
+			}
+			assert.Equal(t, int64(2), runs.Load())
+		})
+	}
 }
