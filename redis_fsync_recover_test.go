@@ -122,7 +122,7 @@ func TestRedisFsyncCompletionRefused(t *testing.T) {
 	t.Run("BeforeTheScript", func(t *testing.T) {
 		appendonly(ctx, "yes")
 		s := newRedisStoreWith(t, srv.Client(), RedisOptions{Fsync: Fsync{Master: true}})
-		s.fsyncSchedule.first = time.Hour // not asked again while this runs
+		s.fsyncSchedule.first, s.fsyncSchedule.recheck = time.Hour, time.Hour // not asked again while this runs
 		g := New(s, Options{})
 		var op, ready counted
 		k := Key{Name: "before"}

@@ -110,6 +110,7 @@ func TestRedisFsync(t *testing.T) {
 	// its own, so every wait times out, and nothing runs.
 	t.Run("TimeOut", func(t *testing.T) {
 		short := newRedisStoreWith(t, srv.Client(), RedisOptions{Fsync: Fsync{Master: true, Timeout: 300 * time.Millisecond}})
+		short.fsyncSchedule.recheck = time.Hour // the waits time out, rather than a new probe refuse appendfsync no
 		gs := New(short, Options{})
 		_, err := gs.Do(ctx, Key{Name: "probed"}, fp, op.charge)
 		require.NoError(t, err)
