@@ -1,6 +1,7 @@
 package idempotencygin_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -260,4 +261,51 @@ func TestRedisPanicAfterTheBodyBegan(t *testing.T) {
 			assert.Equal(t, int64(2), runs.Load())
 		})
 	}
+}
+
+// TestRedisHistoryKept: on redis-server, an operation with history is
+// never forgotten. Attempt 1 runs a Step and answers 503 (released);
+// attempt 2 answers 409, which alone would forget the key but, after an
+// attempt, releases it; attempt 3 answers 201. The step ran once, and the
+// downstream key was the same on every attempt.
+func TestRedisHistoryKept(t *testing.T) {
+	srv := testserver.StartRedis(t)
+	var steps atomic.Int64
+	var mu sync.Mutex
+	var keys []string
+	var attempts []int
+	r := newEngine()
+	r.POST("/v1/charges", idempotencygin.Middleware(redisGuard(t, srv), byAccount), func(c *gin.Context) {
+		info, _ := idempotency.FromContext(c)
+		dk, err := idempotency.DownstreamKey(c, "gateway")
+		require.NoError(t, err)
+		mu.Lock()
+		keys, attempts = append(keys, dk), append(attempts, info.Attempt)
+		mu.Unlock()
+		switch len(attempts) {
+		case 1:
+			_, err := idempotency.Step(c, "charge", func(context.Context) (string, error) {
+				return fmt.Sprint("rc_", steps.Add(1)), nil
+			})
+			require.NoError(t, err)
+			c.JSON(http.StatusServiceUnavailable, gin.H{"error": "receipt not sent"})
+		case 2:
+			c.JSON(http.StatusConflict, gin.H{"error": "account busy"})
+		default:
+			c.JSON(http.StatusCreated, gin.H{"attempt": info.Attempt})
+		}
+	})
+	url := serve(t, r)
+
+	assert.Equal(t, http.StatusServiceUnavailable, send(t, url, "order-1", `{"amount":1}`).status)
+	assert.Equal(t, http.StatusConflict, send(t, url, "order-1", `{"amount":1}`).status)
+	third := send(t, url, "order-1", `{"amount":1}`)
+	assert.Equal(t, http.StatusCreated, third.status)
+	assert.JSONEq(t, `{"attempt":3}`, third.body)
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, []int{1, 2, 3}, attempts)
+	assert.Equal(t, int64(1), steps.Load(), "the step ran once")
+	require.Len(t, keys, 3)
+	assert.Equal(t, []string{keys[0], keys[0], keys[0]}, keys, "one downstream key")
 }
