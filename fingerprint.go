@@ -36,10 +36,35 @@ func FingerprintOf(operation string, payload []byte) Fingerprint {
 // headers and its query. Every field is length-prefixed, so no two different
 // requests can produce the same hash input.
 func requestFingerprint(r *http.Request, body []byte, headers []string) Fingerprint {
+	return fingerprintBy(currentRules, r, body, headers)
+}
+
+// rules are the fingerprint rules of one release of this library. A record
+// keeps only its fingerprint, so a retry of a record made by another
+// release matches it only when fingerprinted by that release's rules. A
+// request is matched by a former rule only where that rule is the finer
+// one: two requests equal under it are equal under today's, so the match
+// can never replay another request's answer.
+type rules int
+
+const (
+	currentRules rules = iota
+	// formerRules: the former release counted a form body byte for byte.
+	// (It also left the query out and rounded JSON numbers as RFC 8785
+	// does; both were coarser than today's rules, so are not matched.)
+	formerRules
+)
+
+// fingerprintBy is requestFingerprint under the rules ru.
+func fingerprintBy(ru rules, r *http.Request, body []byte, headers []string) Fingerprint {
 	h := newHasher()
 	h.field(r.Method)
 	h.field(r.URL.EscapedPath())
-	h.body(body, bodyForm(r.Header.Get("Content-Type")))
+	f := bodyForm(r.Header.Get("Content-Type"))
+	if ru == formerRules && f == canonicalQuery {
+		f = raw
+	}
+	h.body(body, f)
 	for _, name := range headers {
 		h.field(http.CanonicalHeaderKey(name))
 		vs := r.Header.Values(name)
@@ -56,6 +81,23 @@ func requestFingerprint(r *http.Request, body []byte, headers []string) Fingerpr
 		h.body([]byte(r.URL.RawQuery), canonicalQuery)
 	}
 	return h.sum()
+}
+
+// otherFingerprints are r's fingerprints under the rules a record made by
+// another instance of the service may have used: this release's and the
+// former release's rules, each with headers and with every list in others
+// (MiddlewareOptions.OtherFingerprintHeaders); fp, r's own, is left out,
+// and so is every duplicate.
+func otherFingerprints(r *http.Request, body []byte, fp Fingerprint, headers []string, others [][]string) []Fingerprint {
+	seen := []Fingerprint{fp}
+	for _, ru := range []rules{currentRules, formerRules} {
+		for _, hs := range append([][]string{headers}, others...) {
+			if o := fingerprintBy(ru, r, body, hs); !slices.Contains(seen, o) {
+				seen = append(seen, o)
+			}
+		}
+	}
+	return seen[1:]
 }
 
 // form is how a body is fingerprinted.

@@ -78,6 +78,15 @@ type MiddlewareOptions struct {
 	// (store unavailable, outcome not stored), in whole seconds rounded
 	// up, at least 1. Default 1s.
 	RetryAfter time.Duration
+	// OtherFingerprintHeaders lists the FingerprintHeaders of other
+	// instances of the service that share the store: during a deploy that
+	// changes FingerprintHeaders, the old list on the new instances and the
+	// new one on the old. A retry whose record was made under one of them
+	// is replayed or resumed rather than refused with 422, as is one whose
+	// record was made by the former release's rules (docs/upgrading.md). A
+	// request that matches under none is refused as before. They cost
+	// nothing until a key's fingerprint mismatches.
+	OtherFingerprintHeaders [][]string
 	// KeyTime, when set, tells when the request's key was made: UUIDv7Time
 	// reads it from a UUIDv7 key, and a function of one's own can read a
 	// header the client sends with its first attempt. A request whose key
@@ -255,8 +264,9 @@ func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			cs.keyMade = made
 		}
 	}
-	x := &exchange{h: h, w: w, r: r, body: body}
-	x.serve(&cs, k, requestFingerprint(r, body, h.o.FingerprintHeaders))
+	x := &exchange{h: h, w: w, r: r, body: body, fp: requestFingerprint(r, body, h.o.FingerprintHeaders)}
+	cs.others = x
+	x.serve(&cs, k, x.fp)
 }
 
 // admit checks everything that can be checked before the store is asked:
@@ -367,9 +377,16 @@ type exchange struct {
 	h    *guarded
 	w    http.ResponseWriter
 	r    *http.Request
-	body []byte    // the request body, read whole
-	rec  *recorder // set once the handler runs: the request became the owner
-	info *Info     // the handler's, set with rec
+	body []byte      // the request body, read whole
+	fp   Fingerprint // the request's, under the middleware's rules
+	rec  *recorder   // set once the handler runs: the request became the owner
+	info *Info       // the handler's, set with rec
+}
+
+// otherFingerprints are the request's fingerprints under the rules of other
+// instances and releases (see Guard.rematch).
+func (x *exchange) otherFingerprints() []Fingerprint {
+	return otherFingerprints(x.r, x.body, x.fp, x.h.o.FingerprintHeaders, x.h.o.OtherFingerprintHeaders)
 }
 
 // serve runs the handler as the Guard's operation, on the request's

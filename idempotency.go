@@ -474,11 +474,37 @@ func (g *Guard) claim(ctx context.Context, k Key, fp Fingerprint, cs *callState)
 		cs.op = OpClaim
 		return c, sent, err
 	case c.State == Mismatch:
-		return c, sent, ErrMismatch
+		return g.rematch(ctx, k, c, sent, cs)
 	case c.State == InFlight:
 		return g.wait(ctx, req, cs)
 	}
 	return c, sent, nil
+}
+
+// rematcher fingerprints a request under the rules other instances of the
+// service may use: another release's, other FingerprintHeaders.
+type rematcher interface {
+	otherFingerprints() []Fingerprint
+}
+
+// rematch claims k again under each of the request's other fingerprints,
+// after a claim c, sent at sent, found a record of another: a retry that
+// reaches an instance whose fingerprint rules differ from those of the one
+// that made the record is matched by the rules it was made with. Only a
+// request no rules match fails with ErrMismatch.
+func (g *Guard) rematch(ctx context.Context, k Key, c Claim, sent time.Time, cs *callState) (Claim, time.Time, error) {
+	others := cs.others
+	if others == nil {
+		return c, sent, ErrMismatch
+	}
+	cs.others = nil // each claim below answers for itself
+	for _, fp := range others.otherFingerprints() {
+		c, sent, err := g.claim(ctx, k, fp, cs)
+		if !errors.Is(err, ErrMismatch) {
+			return c, sent, err
+		}
+	}
+	return c, sent, ErrMismatch
 }
 
 // claimOnce makes one claim, bounded by Options.ClaimTimeout.

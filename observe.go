@@ -223,6 +223,7 @@ type callState struct {
 	disposition   Disposition
 	owned         bool      // the call became the owner
 	keyMade       time.Time // when the key was made, if the transport knows (see refuseExpired)
+	others        rematcher // the request under other fingerprint rules, if the transport knows them
 	attempt       int
 	recovered     bool // Options.Recover settled the record
 	unknown       bool // Options.Recover could not tell
