@@ -21,7 +21,9 @@
 package idempotencyecho
 
 import (
+	"context"
 	"net/http"
+	"reflect"
 
 	"github.com/labstack/echo/v4"
 
@@ -56,12 +58,21 @@ import (
 // response, which echo's error handler leaves as it is, releases the key:
 // the client gets what was written, and no retry gets it replayed.
 //
-// A panic releases the key and goes on, once c.Request() and c.Response()
-// are the ones Middleware found again, to a middleware.Recover before it,
-// which answers 500 to the client, or to net/http. A Recover after
-// Middleware answers 500 inside it, which releases the key too, unless
-// the handler had begun its response: echo's error handler then leaves it
-// as it is, and it is stored as written.
+// A panic releases the key, whether or not the handler had begun its
+// response. It goes on, once c.Request() and c.Response() are the ones
+// Middleware found again, to a middleware.Recover before it, which answers
+// 500 to the client, or to net/http. A Recover after Middleware answers it
+// inside with c.Error: echo's 500, or, once the handler had begun its
+// response, which echo's error handler leaves as it is, what the handler
+// wrote; the key is released either way, and nothing is replayed. So is
+// it for any error handed to c.Error once the response began.
+//
+// To see those errors, the chain after Middleware gets an echo.Context
+// that wraps echo's own. A Context of the application's own type, which
+// middleware before Middleware made, is handed on as it is, so that
+// handlers' type assertions to it hold; Middleware then cannot see an
+// error handed to c.Error after the response began, and a Recover must go
+// before it for a panic after the response began to release the key.
 //
 // Once the chain after it returns, and before the answer is sent,
 // c.Request() and c.Response() are the ones Middleware found again. That
@@ -90,6 +101,7 @@ import (
 // o.Scope is nil.
 func Middleware(g *idempotency.Guard, o idempotency.MiddlewareOptions) echo.MiddlewareFunc {
 	guard := g.Middleware(o)
+	own := reflect.TypeOf(echo.New().NewContext(nil, nil)) // echo's own Context type
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) (err error) {
 			req, res := c.Request(), c.Response()
@@ -105,7 +117,7 @@ func Middleware(g *idempotency.Guard, o idempotency.MiddlewareOptions) echo.Midd
 					err = next(c)
 					return
 				}
-				answer(c, w, r, res.Status, next)
+				answer(c, w, r, res.Status, next, reflect.TypeOf(c) == own)
 			})).ServeHTTP(res, req)
 			return err
 		}
@@ -114,12 +126,18 @@ func Middleware(g *idempotency.Guard, o idempotency.MiddlewareOptions) echo.Midd
 
 // answer runs next on w, the middleware's buffer, through a response of
 // its own that starts with status, and answers its error there with echo's
-// error handler, as echo would once the chain returned.
-func answer(c echo.Context, w http.ResponseWriter, r *http.Request, status int, next echo.HandlerFunc) {
+// error handler, as echo would once the chain returned. When watch is set,
+// c is echo's own Context, and next gets it wrapped, so that an error
+// handed to c.Error after the response began releases the key too.
+func answer(c echo.Context, w http.ResponseWriter, r *http.Request, status int, next echo.HandlerFunc, watch bool) {
 	res := echo.NewResponse(w, c.Echo())
 	res.Status = status
 	c.SetResponse(res)
-	err := next(c)
+	chain := c
+	if watch {
+		chain = &watched{Context: c, ctx: r.Context()}
+	}
+	err := next(chain)
 	if err == nil {
 		return
 	}
@@ -129,4 +147,21 @@ func answer(c echo.Context, w http.ResponseWriter, r *http.Request, status int, 
 		idempotency.SetDisposition(r.Context(), idempotency.Release)
 	}
 	c.Error(err)
+}
+
+// watched is echo's own Context while the chain after Middleware runs. An
+// error handed to its Error once the response began, which echo's error
+// handler leaves as it is (a middleware.Recover after Middleware answering
+// a panic, say), releases the key: the handler failed part-way, and its
+// answer must not be replayed.
+type watched struct {
+	echo.Context
+	ctx context.Context // the attempt's
+}
+
+func (c *watched) Error(err error) {
+	if c.Response().Committed {
+		idempotency.SetDisposition(c.ctx, idempotency.Release)
+	}
+	c.Context.Error(err)
 }

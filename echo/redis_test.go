@@ -1,6 +1,7 @@
 package idempotencyecho_test
 
 import (
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -126,4 +127,65 @@ func TestRedisEndToEnd(t *testing.T) {
 func (a answer) withReplayed(r bool) answer {
 	a.replayed = r
 	return a
+}
+
+// redisGuard is a Guard of its own on srv, as one instance of a service.
+func redisGuard(t *testing.T, srv *testserver.Redis) *idempotency.Guard {
+	store, err := idempotency.NewRedisStore(srv.Client(), idempotency.RedisOptions{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = store.Close() })
+	return idempotency.New(store, idempotency.Options{})
+}
+
+// serve serves e over real HTTP until the test ends, and returns its URL.
+func serve(t *testing.T, e *echo.Echo) string {
+	hs := httptest.NewServer(e)
+	t.Cleanup(hs.Close)
+	return hs.URL
+}
+
+var byAccount = idempotency.MiddlewareOptions{
+	Scope: func(r *http.Request) (string, error) { return r.Header.Get("X-Account-ID"), nil },
+}
+
+// TestRedisPanicAfterTheBodyBegan: on redis-server, a handler that panics
+// once it has begun its body has its key released, whether
+// middleware.Recover goes before the adapter (the client gets echo's 500)
+// or after it (the client gets the begun body): the retry runs the handler
+// again, and its answer is the one kept.
+func TestRedisPanicAfterTheBodyBegan(t *testing.T) {
+	srv := testserver.StartRedis(t)
+	for _, c := range []struct {
+		before bool
+		status int
+		body   string
+	}{
+		{true, http.StatusInternalServerError, `{"message":"Internal Server Error"}`},
+		{false, http.StatusOK, "partial"},
+	} {
+		t.Run(fmt.Sprintf("recover before %t", c.before), func(t *testing.T) {
+			var runs atomic.Int64
+			guard := idempotencyecho.Middleware(redisGuard(t, srv), byAccount)
+			e := newEcho()
+			if c.before {
+				e.POST("/v1/charges", panicky(&runs, true), recoverQuietly, guard)
+			} else {
+				e.POST("/v1/charges", panicky(&runs, true), guard, recoverQuietly)
+			}
+			url := serve(t, e)
+			key := fmt.Sprint("panic-", c.before)
+
+			first := sendTo(t, url, key, `{}`)
+			assert.Equal(t, c.status, first.status)
+			assert.Equal(t, c.body, strings.TrimSpace(first.body))
+			assert.False(t, first.replayed)
+			for i := range 2 {
+				got := sendTo(t, url, key, `{}`)
+				assert.Equal(t, http.StatusCreated, got.status)
+				assert.JSONEq(t, `{"attempt":2,"takeover":true}`, got.body, "released: the retry ran")
+				assert.Equal(t, i == 1, got.replayed)
+			}
+			assert.Equal(t, int64(2), runs.Load())
+		})
+	}
 }
