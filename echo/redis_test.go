@@ -1,6 +1,7 @@
 package idempotencyecho_test
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -188,4 +189,52 @@ func TestRedisPanicAfterTheBodyBegan(t *testing.T) {
 			assert.Equal(t, int64(2), runs.Load())
 		})
 	}
+}
+
+// TestRedisHistoryKept: on redis-server, an operation with history is
+// never forgotten. Attempt 1 runs a Step and answers 503 (released);
+// attempt 2 answers 409, which alone would forget the key but, after an
+// attempt, releases it; attempt 3 answers 201. The step ran once, and the
+// downstream key was the same on every attempt.
+func TestRedisHistoryKept(t *testing.T) {
+	srv := testserver.StartRedis(t)
+	var steps atomic.Int64
+	var mu sync.Mutex
+	var keys []string
+	var attempts []int
+	e := newEcho()
+	e.POST("/v1/charges", func(c echo.Context) error {
+		ctx := c.Request().Context()
+		info, _ := idempotency.FromContext(ctx)
+		dk, err := idempotency.DownstreamKey(ctx, "gateway")
+		require.NoError(t, err)
+		mu.Lock()
+		keys, attempts = append(keys, dk), append(attempts, info.Attempt)
+		n := len(attempts)
+		mu.Unlock()
+		switch n {
+		case 1:
+			_, err := idempotency.Step(ctx, "charge", func(context.Context) (string, error) {
+				return fmt.Sprint("rc_", steps.Add(1)), nil
+			})
+			require.NoError(t, err)
+			return echo.NewHTTPError(http.StatusServiceUnavailable, "receipt not sent")
+		case 2:
+			return echo.NewHTTPError(http.StatusConflict, "account busy")
+		}
+		return c.JSON(http.StatusCreated, map[string]any{"attempt": info.Attempt})
+	}, idempotencyecho.Middleware(redisGuard(t, srv), byAccount))
+	url := serve(t, e)
+
+	assert.Equal(t, http.StatusServiceUnavailable, sendTo(t, url, "order-1", `{"amount":1}`).status)
+	assert.Equal(t, http.StatusConflict, sendTo(t, url, "order-1", `{"amount":1}`).status)
+	third := sendTo(t, url, "order-1", `{"amount":1}`)
+	assert.Equal(t, http.StatusCreated, third.status)
+	assert.JSONEq(t, `{"attempt":3}`, third.body)
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, []int{1, 2, 3}, attempts)
+	assert.Equal(t, int64(1), steps.Load(), "the step ran once")
+	require.Len(t, keys, 3)
+	assert.Equal(t, []string{keys[0], keys[0], keys[0]}, keys, "one downstream key")
 }

@@ -281,8 +281,9 @@ func TestRedisHistoryKept(t *testing.T) {
 		require.NoError(t, err)
 		mu.Lock()
 		keys, attempts = append(keys, dk), append(attempts, info.Attempt)
+		n := len(attempts)
 		mu.Unlock()
-		switch len(attempts) {
+		switch n {
 		case 1:
 			_, err := idempotency.Step(c, "charge", func(context.Context) (string, error) {
 				return fmt.Sprint("rc_", steps.Add(1)), nil
