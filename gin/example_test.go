@@ -30,7 +30,7 @@ func Example() {
 		c.JSON(http.StatusCreated, gin.H{"id": fmt.Sprint("ch_", charges)})
 	}
 	r := gin.New()
-	r.ContextWithFallback = true // required: c is then the attempt's context.Context
+	r.ContextWithFallback = true // required: c carries the attempt
 	r.Use(gin.Recovery())        // before the adapter: a panic releases the key, then reaches it
 	r.POST("/v1/charges", idempotencygin.Middleware(guard, idempotency.MiddlewareOptions{
 		Scope: func(r *http.Request) (string, error) { return r.Header.Get("X-Account-ID"), nil },
