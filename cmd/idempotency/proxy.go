@@ -11,8 +11,11 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"os/signal"
 	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/idempotency-go/idempotency"
@@ -34,8 +37,10 @@ refuse a stale attempt's writes (docs/proxy.md).
 Every flag, store flags included, can also be set by the environment
 variable IDEMPOTENCY_ and its name in capitals, - as _ (IDEMPOTENCY_UPSTREAM,
 IDEMPOTENCY_SCOPE_HEADER, IDEMPOTENCY_REDIS, ...); a flag given on the
-command line wins. On SIGINT or SIGTERM it stops taking requests and
-finishes those under way, for at most -shutdown-timeout.
+command line wins. On SIGINT or SIGTERM its /readyz fails for
+-drain-delay while it still serves, then it stops taking requests and
+finishes those under way, for at most -shutdown-timeout; a second signal
+stops it at once.
 
 Flags:
 `
@@ -55,12 +60,19 @@ type proxyConfig struct {
 	maxRequestBytes               int64
 	maxResponseBytes              int64
 	allowEviction                 bool
+	keyHeader, keepStatus         string
+	readTimeout, writeTimeout     time.Duration
+	idleTimeout, drainDelay       time.Duration
+	accessLog                     bool
+	tlsCert, tlsKey               string
+	upstreamCA                    string
+	upstreamCert, upstreamKey     string
 }
 
 func (c *proxyConfig) flags(fs *flag.FlagSet) {
 	fs.StringVar(&c.upstream, "upstream", "", "the service to proxy to, `URL` http://host:port[/path] (required)")
 	fs.StringVar(&c.listen, "listen", ":8080", "the `ADDR` to serve clients on")
-	fs.StringVar(&c.adminListen, "admin-listen", "127.0.0.1:9090", "the `ADDR` to serve /healthz and /metrics on; empty for none")
+	fs.StringVar(&c.adminListen, "admin-listen", "127.0.0.1:9090", "the `ADDR` to serve /healthz (liveness), /readyz (readiness) and /metrics on; empty for none")
 	fs.StringVar(&c.scopeHeader, "scope-header", "", "the request header that names the account a key belongs to, e.g. X-Account-ID; a guarded request without it gets 400 (required unless -single-tenant)")
 	fs.BoolVar(&c.singleTenant, "single-tenant", false, "the API has one tenant: every key is in one scope")
 	fs.StringVar(&c.methods, "methods", "POST,PATCH", "the `METHODS` guarded, comma-separated, in any case; others pass through unguarded")
@@ -76,8 +88,24 @@ func (c *proxyConfig) flags(fs *flag.FlagSet) {
 	fs.DurationVar(&c.deleteExpiredEvery, "delete-expired-every", 5*time.Minute, "PostgreSQL: how often to delete the records whose retention ran out; 0 for never")
 	fs.Int64Var(&c.maxRequestBytes, "max-request-bytes", 0, "the largest guarded request body, in `BYTES`; larger gets 413 (default: the library's, 1 MiB)")
 	fs.Int64Var(&c.maxResponseBytes, "max-response-bytes", 0, "the largest answer kept whole, in `BYTES`; a larger one is stored without its body and streamed (default: the library's, 1 MiB)")
-	fs.BoolVar(&c.trustForwarded, "trust-forwarded", false, "keep the X-Forwarded-For a client sends and add to it, for a proxy behind a gateway that sets it; otherwise it is replaced")
+	fs.BoolVar(&c.trustForwarded, "trust-forwarded", false, "pass on the forwarding headers (X-Forwarded-Proto, -Host, -For...) the client sends, adding to X-Forwarded-For: for a proxy behind a gateway that sets them; otherwise they are replaced by the proxy's own view")
 	fs.BoolVar(&c.allowEviction, "allow-eviction", false, "Redis: serve on a server that may evict records (a second execution once one is evicted)")
+	c.moreFlags(fs)
+}
+
+func (c *proxyConfig) moreFlags(fs *flag.FlagSet) {
+	fs.StringVar(&c.keyHeader, "key-header", idempotency.HeaderKey, "the request `HEADER` that carries the idempotency key, e.g. X-Idempotency-Key; the upstream gets it under this name")
+	fs.StringVar(&c.keepStatus, "keep-status", "", "upstream `STATUSES` (comma-separated, e.g. 500,504) stored and replayed instead of releasing the key, for an upstream that cannot de-duplicate")
+	fs.DurationVar(&c.readTimeout, "read-timeout", 30*time.Second, "how long a client may take to send a whole request, body included")
+	fs.DurationVar(&c.writeTimeout, "write-timeout", 0, "how long the proxy may take to answer a request, from the end of its header, before the connection is closed (default: -operation-timeout plus 1m)")
+	fs.DurationVar(&c.idleTimeout, "idle-timeout", 2*time.Minute, "how long an idle keep-alive connection from a client stays open")
+	fs.DurationVar(&c.drainDelay, "drain-delay", 0, "on SIGTERM, how long /readyz fails while requests are still served, before the listener closes")
+	fs.BoolVar(&c.accessLog, "access-log", false, "write one JSON line per request to stdout: method, path, status, outcome, attempt, duration, a hash of the key, request id")
+	fs.StringVar(&c.tlsCert, "tls-cert", "", "serve clients over TLS with this certificate `FILE` (PEM; with -tls-key)")
+	fs.StringVar(&c.tlsKey, "tls-key", "", "the private key `FILE` of -tls-cert (PEM)")
+	fs.StringVar(&c.upstreamCA, "upstream-ca", "", "an https upstream: trust the CA certificates in this PEM `FILE` instead of the system's")
+	fs.StringVar(&c.upstreamCert, "upstream-cert", "", "an https upstream: present this client certificate `FILE` (PEM; with -upstream-key)")
+	fs.StringVar(&c.upstreamKey, "upstream-key", "", "the private key `FILE` of -upstream-cert (PEM)")
 }
 
 // fromEnv sets every flag of fs not given on the command line from its
@@ -112,7 +140,9 @@ func runProxy(ctx context.Context, store storeConfig, args []string, stdout, std
 		return 2
 	}
 	log := slog.New(slog.NewTextHandler(stderr, nil))
-	err := c.serve(ctx, store, log, stdout)
+	hurry, stopSignals := secondSignal()
+	defer stopSignals()
+	err := c.serve(ctx, store, log, stdout, hurry)
 	var misuse usageError
 	switch {
 	case errors.As(err, &misuse):
@@ -125,11 +155,38 @@ func runProxy(ctx context.Context, store storeConfig, args []string, stdout, std
 	return 0
 }
 
+// secondSignal returns a channel closed once the process got SIGINT or
+// SIGTERM twice: the first stops the proxy gracefully (through the
+// context main gives run), the second at once. stop ends the watch.
+func secondSignal() (hurry <-chan struct{}, stop func()) {
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	done, twice := make(chan struct{}), make(chan struct{})
+	go func() {
+		for n := 0; n < 2; n++ {
+			select {
+			case <-sigs:
+			case <-done:
+				return
+			}
+		}
+		close(twice)
+	}()
+	return twice, func() { signal.Stop(sigs); close(done) }
+}
+
 // middleware is the middleware's options the flags say.
 func (c *proxyConfig) middleware() (idempotency.MiddlewareOptions, error) {
 	methods, err := parseMethods(c.methods)
 	if err != nil {
 		return idempotency.MiddlewareOptions{}, err
+	}
+	keep, err := parseStatuses(c.keepStatus)
+	if err != nil {
+		return idempotency.MiddlewareOptions{}, err
+	}
+	if !validHeaderName(c.keyHeader) {
+		return idempotency.MiddlewareOptions{}, usageError{fmt.Sprintf("-key-header %q: want a header name", c.keyHeader)}
 	}
 	o := idempotency.MiddlewareOptions{
 		Methods:            methods,
@@ -137,6 +194,7 @@ func (c *proxyConfig) middleware() (idempotency.MiddlewareOptions, error) {
 		MaxRequestBytes:    c.maxRequestBytes,
 		MaxResponseBytes:   c.maxResponseBytes,
 		FingerprintHeaders: splitList(c.fingerprintHeaders),
+		Disposition:        keepOr(keep, idempotency.DefaultDisposition),
 	}
 	switch {
 	case c.singleTenant && c.scopeHeader != "":
@@ -183,6 +241,43 @@ func parseMethods(s string) ([]string, error) {
 	return out, nil
 }
 
+// parseStatuses reads -keep-status: HTTP statuses, comma-separated.
+func parseStatuses(s string) (map[int]bool, error) {
+	keep := map[int]bool{}
+	for _, f := range splitList(s) {
+		n, err := strconv.Atoi(f)
+		if err != nil || n < 100 || n > 599 {
+			return nil, usageError{fmt.Sprintf("-keep-status: %q is no HTTP status", f)}
+		}
+		keep[n] = true
+	}
+	return keep, nil
+}
+
+// keepOr is the disposition that keeps (stores and replays) an answer
+// whose status is in keep, and otherwise decides as def.
+func keepOr(keep map[int]bool, def func(int) idempotency.Disposition) func(int) idempotency.Disposition {
+	return func(status int) idempotency.Disposition {
+		if keep[status] {
+			return idempotency.Keep
+		}
+		return def(status)
+	}
+}
+
+// validHeaderName reports whether name is a field name (an RFC 9110 token).
+func validHeaderName(name string) bool {
+	if name == "" {
+		return false
+	}
+	for _, c := range []byte(name) {
+		if c <= ' ' || c >= 0x7f || strings.IndexByte(`"(),/:;<=>?@[\]{}`, c) >= 0 {
+			return false
+		}
+	}
+	return true
+}
+
 // errNoScope answers a guarded request that does not name its account.
 var errNoScope = errors.New("no account header")
 
@@ -208,16 +303,24 @@ func splitList(s string) []string {
 	return out
 }
 
-// upstreamURL is -upstream, checked.
-func (c *proxyConfig) upstreamURL() (*url.URL, error) {
+// upstreamTarget is -upstream, checked: the URL requests go to and, for
+// unix:/path, the socket the connections are made on (the URL is then
+// http://localhost).
+func (c *proxyConfig) upstreamTarget() (target *url.URL, socket string, err error) {
 	if c.upstream == "" {
-		return nil, usageError{"-upstream is required"}
+		return nil, "", usageError{"-upstream is required"}
+	}
+	if path, ok := strings.CutPrefix(c.upstream, "unix:"); ok {
+		if path == "" {
+			return nil, "", usageError{fmt.Sprintf("-upstream %q: want unix:/path/to/socket", c.upstream)}
+		}
+		return &url.URL{Scheme: "http", Host: "localhost"}, path, nil
 	}
 	u, err := url.Parse(c.upstream)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, usageError{fmt.Sprintf("-upstream %q: want http://host:port or https://host:port", c.upstream)}
+		return nil, "", usageError{fmt.Sprintf("-upstream %q: want http://host:port, https://host:port or unix:/path", c.upstream)}
 	}
-	return u, nil
+	return u, "", nil
 }
 
 // listenBoth opens the clients' listener and, if asked for, the admin one.

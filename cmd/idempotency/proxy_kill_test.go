@@ -28,6 +28,7 @@ import (
 type proxyProcess struct {
 	args   []string
 	addr   string // its clients' address, the same across restarts
+	admin  string // its admin address, if it has one
 	mu     sync.Mutex
 	cmd    *exec.Cmd
 	stderr bytes.Buffer
@@ -89,7 +90,7 @@ func (p *proxyProcess) start() error {
 		return fmt.Errorf("the proxy did not start (%v, said %q): %s", err, line, p.stderr.String())
 	}
 	go func() { _, _ = io.Copy(io.Discard, out) }()
-	p.addr = m[1]
+	p.addr, p.admin = m[1], m[2]
 	return nil
 }
 

@@ -30,10 +30,10 @@ func startUpstream(t *testing.T) upstream {
 	return startPython(t, "testdata/upstream.py")
 }
 
-// startPython runs script, an upstream that prints "PORT <n>" once it
-// listens on 127.0.0.1, until t ends. Without python3 it skips, unless
+// startPython runs script with args, an upstream that prints "PORT <n>"
+// once it listens on 127.0.0.1, until t ends. Without python3 it skips, unless
 // IDEMPOTENCY_REQUIRE_SERVERS=1.
-func startPython(t *testing.T, script string) upstream {
+func startPython(t *testing.T, script string, args ...string) upstream {
 	t.Helper()
 	python, err := exec.LookPath("python3")
 	if err != nil {
@@ -42,7 +42,7 @@ func startPython(t *testing.T, script string) upstream {
 		}
 		t.Skip("python3 not installed")
 	}
-	cmd := exec.Command(python, script)
+	cmd := exec.Command(python, append([]string{script}, args...)...)
 	out, err := cmd.StdoutPipe()
 	require.NoError(t, err)
 	cmd.Stderr = os.Stderr
@@ -87,6 +87,8 @@ func (u upstream) operation(t *testing.T, scope, key string) (op string, calls i
 type proxy struct {
 	url, admin string
 	stop       func() // shuts it down, waiting for it to return
+	// stdout is what it printed after its first line: its access log.
+	stdout func() string
 }
 
 var servingLine = regexp.MustCompile(`serving (\S+) for [^,\s]+(?:, /healthz and /metrics on (\S+))?`)
@@ -106,7 +108,9 @@ func startProxy(t *testing.T, storeFlags []string, u upstream, args ...string) p
 		pw.Close()
 	}()
 	line, err := bufio.NewReader(pr).ReadString('\n')
-	go func() { _, _ = io.Copy(io.Discard, pr) }()
+	var out bytes.Buffer
+	stdout := &lockedWriter{w: &out}
+	go func() { _, _ = io.Copy(stdout, pr) }()
 	if err != nil {
 		cancel()
 		t.Fatalf("the proxy did not start (exit %d): %s", <-done, logs.String())
@@ -121,7 +125,11 @@ func startProxy(t *testing.T, storeFlags []string, u upstream, args ...string) p
 		})
 	}
 	t.Cleanup(stop)
-	return proxy{url: "http://" + m[1], admin: "http://" + m[2], stop: stop}
+	return proxy{url: "http://" + m[1], admin: "http://" + m[2], stop: stop, stdout: func() string {
+		stdout.mu.Lock()
+		defer stdout.mu.Unlock()
+		return out.String()
+	}}
 }
 
 // lockedWriter is a writer safe for concurrent use.

@@ -2,12 +2,14 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -19,14 +21,15 @@ import (
 	idempotencyotel "github.com/idempotency-go/idempotency/otel"
 )
 
-// serve runs the proxy until ctx is done, then shuts it down gracefully.
-// It prints the addresses it serves on to stdout once it does.
-func (c *proxyConfig) serve(ctx context.Context, sc storeConfig, log *slog.Logger, stdout io.Writer) error {
-	target, err := c.upstreamURL()
+// serve runs the proxy until ctx is done, then shuts it down gracefully,
+// or at once when hurry is closed. It prints the addresses it serves on to
+// stdout once it does, and the access log after them.
+func (c *proxyConfig) serve(ctx context.Context, sc storeConfig, log *slog.Logger, stdout io.Writer, hurry <-chan struct{}) error {
+	up, mo, err := c.prepare(log)
 	if err != nil {
 		return err
 	}
-	mo, err := c.middleware()
+	tlsConfig, err := c.listenerTLS()
 	if err != nil {
 		return err
 	}
@@ -42,44 +45,102 @@ func (c *proxyConfig) serve(ctx context.Context, sc storeConfig, log *slog.Logge
 		return err
 	}
 	defer m.shutdown()
+	fr := front{keyHeader: up.keyHeader}
+	var observer idempotency.Observer = m.observer
+	if c.accessLog {
+		fr.access = slog.New(slog.NewJSONHandler(stdout, nil))
+		observer = accessObserver{m.observer}
+	}
 	g := idempotency.New(s.store, idempotency.Options{Lease: c.lease, Retention: c.retention,
 		OperationTimeout: c.operationTimeout, WaitTimeout: c.waitTimeout, ClaimTimeout: c.claimTimeout,
-		Observer: m.observer})
+		Observer: observer})
 	untrack := m.observer.Track(g)
 	defer untrack()
+	ad := &admin{stats: s.stats, dial: up.dial, log: log}
+	return c.listenAndRun(ctx, s, fr.handler(g.Middleware(mo)(upstreamHandler(up))), tlsConfig, ad, m.handler, stdout, hurry, log)
+}
 
-	clients, admin, err := c.listenBoth()
+// prepare checks every flag that does not need the store, and makes the
+// upstream's side of the proxy and the middleware's options.
+func (c *proxyConfig) prepare(log *slog.Logger) (upstreamOptions, idempotency.MiddlewareOptions, error) {
+	target, socket, err := c.upstreamTarget()
+	if err != nil {
+		return upstreamOptions{}, idempotency.MiddlewareOptions{}, err
+	}
+	mo, err := c.middleware()
+	if err != nil {
+		return upstreamOptions{}, mo, err
+	}
+	transport, err := newTransport(socket, c.upstreamCA, c.upstreamCert, c.upstreamKey)
+	if err != nil {
+		return upstreamOptions{}, mo, err
+	}
+	key := http.CanonicalHeaderKey(c.keyHeader)
+	return upstreamOptions{target: target, trustForwarded: c.trustForwarded, keyHeader: key,
+		protected: protectedHeaders(key, c.scopeHeader, mo.FingerprintHeaders),
+		transport: transport, dial: upstreamDialer(target, socket), log: log}, mo, nil
+}
+
+// listenerTLS is the clients' listener's TLS configuration, nil for none.
+func (c *proxyConfig) listenerTLS() (*tls.Config, error) {
+	if (c.tlsCert == "") != (c.tlsKey == "") {
+		return nil, usageError{"-tls-cert and -tls-key go together"}
+	}
+	if c.tlsCert == "" {
+		return nil, nil
+	}
+	cert, err := tls.LoadX509KeyPair(c.tlsCert, c.tlsKey)
+	if err != nil {
+		return nil, fmt.Errorf("-tls-cert, -tls-key: %w", err)
+	}
+	return &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{cert}}, nil
+}
+
+// listenAndRun opens the listeners, says where it serves, and serves
+// clients with handler (over TLS with tlsConfig, unless nil) and the admin
+// listener with ad, until ctx is done.
+func (c *proxyConfig) listenAndRun(ctx context.Context, s opened, handler http.Handler, tlsConfig *tls.Config,
+	ad *admin, metrics http.Handler, stdout io.Writer, hurry <-chan struct{}, log *slog.Logger) error {
+	clients, adminL, err := c.listenBoth()
 	if err != nil {
 		return err
 	}
-	up := upstreamOptions{target: target, trustForwarded: c.trustForwarded, keyHeader: idempotency.HeaderKey,
-		protected: protectedHeaders(idempotency.HeaderKey, c.scopeHeader, mo.FingerprintHeaders),
-		transport: newTransport(), log: log}
-	front := &http.Server{Handler: g.Middleware(mo)(upstreamHandler(up)),
-		ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
-	servers := []*http.Server{front}
-	listeners := []net.Listener{clients}
-	if admin != nil {
-		servers = append(servers, &http.Server{Handler: adminHandler(s, m.handler), ReadHeaderTimeout: 10 * time.Second})
-		listeners = append(listeners, admin)
+	writeTimeout := c.writeTimeout
+	if writeTimeout == 0 && c.operationTimeout > 0 {
+		writeTimeout = c.operationTimeout + time.Minute
 	}
-	fmt.Fprintf(stdout, "idempotency proxy: serving %s for %s", clients.Addr(), target)
-	if admin != nil {
-		fmt.Fprintf(stdout, ", /healthz and /metrics on %s", admin.Addr())
+	front := &http.Server{Handler: handler, TLSConfig: tlsConfig, ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout: c.readTimeout, WriteTimeout: writeTimeout, IdleTimeout: c.idleTimeout,
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
+	servers, listeners := []*http.Server{front}, []net.Listener{clients}
+	if adminL != nil {
+		servers = append(servers, &http.Server{Handler: ad.handler(metrics), ReadHeaderTimeout: 10 * time.Second,
+			ReadTimeout: 10 * time.Second, WriteTimeout: time.Minute})
+		listeners = append(listeners, adminL)
+	}
+	fmt.Fprintf(stdout, "idempotency proxy: serving %s for %s", clients.Addr(), c.upstream)
+	if adminL != nil {
+		fmt.Fprintf(stdout, ", /healthz and /metrics on %s", adminL.Addr())
 	}
 	fmt.Fprintln(stdout)
-	log.Info("serving", "listen", clients.Addr().String(), "upstream", target.String())
-	return c.run(ctx, s, servers, listeners, log)
+	log.Info("serving", "listen", clients.Addr().String(), "upstream", c.upstream, "tls", tlsConfig != nil)
+	return c.run(ctx, s, servers, listeners, ad, hurry, log)
 }
 
+// errHurried ends a proxy stopped at once by a second signal.
+var errHurried = errors.New("stopped at once on a second signal: requests under way were cut off")
+
 // run serves on each listener with its server until ctx is done, deleting
-// expired records on schedule, then shuts every server down, letting the
-// requests under way finish for up to -shutdown-timeout.
-func (c *proxyConfig) run(ctx context.Context, s opened, servers []*http.Server, listeners []net.Listener, log *slog.Logger) error {
+// expired records on schedule. Then /readyz fails for -drain-delay while
+// requests are still served, and every server shuts down, letting the
+// requests under way finish for up to -shutdown-timeout. Once hurry is
+// closed, every connection is closed at once.
+func (c *proxyConfig) run(ctx context.Context, s opened, servers []*http.Server, listeners []net.Listener,
+	ad *admin, hurry <-chan struct{}, log *slog.Logger) error {
 	failed := make(chan error, len(servers))
 	for i, srv := range servers {
 		go func() {
-			if err := srv.Serve(listeners[i]); !errors.Is(err, http.ErrServerClosed) {
+			if err := serveOn(srv, listeners[i]); !errors.Is(err, http.ErrServerClosed) {
 				failed <- err
 			}
 		}()
@@ -92,11 +153,57 @@ func (c *proxyConfig) run(ctx context.Context, s opened, servers []*http.Server,
 	case <-ctx.Done():
 	case err = <-failed:
 	}
+	ad.draining.Store(true)
+	if err == nil && c.drainDelay > 0 {
+		log.Info("draining: /readyz fails, requests are still served", "for", c.drainDelay)
+		select {
+		case <-time.After(c.drainDelay):
+		case <-hurry:
+			return closeAll(servers, errHurried)
+		}
+	}
+	return errors.Join(err, c.shutdown(ctx, servers, hurry, log))
+}
+
+// serveOn serves srv on l, over TLS when srv has a TLS configuration.
+func serveOn(srv *http.Server, l net.Listener) error {
+	if srv.TLSConfig != nil {
+		return srv.ServeTLS(l, "", "")
+	}
+	return srv.Serve(l)
+}
+
+// shutdown closes the listeners and waits for the requests under way, for
+// at most -shutdown-timeout, or until hurry is closed.
+func (c *proxyConfig) shutdown(ctx context.Context, servers []*http.Server, hurry <-chan struct{}, log *slog.Logger) error {
 	log.Info("shutting down: finishing the requests under way", "for at most", c.shutdownTimeout)
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.shutdownTimeout)
 	defer cancel()
+	hurried := make(chan bool, 1)
+	go func() {
+		select {
+		case <-hurry:
+			hurried <- true
+			cancel()
+		case <-sctx.Done():
+			hurried <- false
+		}
+	}()
+	var err error
 	for _, srv := range servers {
 		err = errors.Join(err, srv.Shutdown(sctx))
+	}
+	cancel()
+	if <-hurried {
+		return closeAll(servers, errHurried)
+	}
+	return err
+}
+
+// closeAll closes every server's listeners and connections, and returns err.
+func closeAll(servers []*http.Server, err error) error {
+	for _, srv := range servers {
+		_ = srv.Close()
 	}
 	return err
 }
@@ -120,16 +227,39 @@ func deleteExpired(ctx context.Context, del func(context.Context) (int64, error)
 	}
 }
 
-// adminHandler serves GET /healthz, 200 once the store answered within a
-// second and 503 otherwise, and GET /metrics.
-func adminHandler(s opened, metrics http.Handler) http.Handler {
+// admin serves the admin listener: liveness, readiness and metrics.
+type admin struct {
+	stats func(context.Context) (idempotency.Stats, error)
+	dial  func(context.Context) error // connects to the upstream, and closes
+	// draining is set once the proxy stops: /readyz fails from then on.
+	draining atomic.Bool
+	log      *slog.Logger
+}
+
+// handler serves GET /healthz, 200 while the process serves (liveness);
+// GET /readyz, 200 while it is not draining, the store answered within a
+// second and the upstream took a connection within a second, 503 otherwise
+// (readiness); and GET /metrics. Neither body carries an error's text,
+// which goes to the log.
+func (a *admin) handler(metrics http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", metrics)
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { fmt.Fprintln(w, "ok") })
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		if a.draining.Load() {
+			http.Error(w, "draining", http.StatusServiceUnavailable)
+			return
+		}
 		ctx, cancel := context.WithTimeout(r.Context(), time.Second)
 		defer cancel()
-		if _, err := s.stats(ctx); err != nil {
-			http.Error(w, "store: "+err.Error(), http.StatusServiceUnavailable)
+		if _, err := a.stats(ctx); err != nil {
+			a.log.Warn("not ready: the store did not answer", "err", err)
+			http.Error(w, "store unavailable", http.StatusServiceUnavailable)
+			return
+		}
+		if err := a.dial(ctx); err != nil {
+			a.log.Warn("not ready: the upstream took no connection", "err", err)
+			http.Error(w, "upstream unreachable", http.StatusServiceUnavailable)
 			return
 		}
 		fmt.Fprintln(w, "ok")

@@ -2,11 +2,16 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
+	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"os"
 	"strconv"
 	"strings"
 
@@ -56,7 +61,31 @@ type upstreamOptions struct {
 	// is removed.
 	keyHeader string
 	transport http.RoundTripper
+	dial      func(context.Context) error // see upstreamDialer
 	log       *slog.Logger
+}
+
+// upstreamDialer returns a function that opens a connection to the
+// upstream, over socket unless it is "", and closes it: whether the
+// upstream takes connections, for /readyz.
+func upstreamDialer(target *url.URL, socket string) func(context.Context) error {
+	network, addr := "tcp", target.Host
+	switch {
+	case socket != "":
+		network, addr = "unix", socket
+	case target.Port() == "" && target.Scheme == "https":
+		addr = net.JoinHostPort(target.Hostname(), "443")
+	case target.Port() == "":
+		addr = net.JoinHostPort(target.Hostname(), "80")
+	}
+	return func(ctx context.Context) error {
+		var d net.Dialer
+		conn, err := d.DialContext(ctx, network, addr)
+		if err == nil {
+			conn.Close()
+		}
+		return err
+	}
 }
 
 // upstreamHandler forwards each request to the target, with the operation's
@@ -90,11 +119,41 @@ func upstreamHandler(o upstreamOptions) http.Handler {
 	}
 }
 
-// newTransport is the connection pool to the upstream.
-func newTransport() *http.Transport {
+// newTransport is the connection pool to the upstream: over socket when
+// it is not "", trusting the CA certificates in the PEM file ca when it is
+// not "" (the system's otherwise), presenting the client certificate in
+// certFile and keyFile when they are not "".
+func newTransport(socket, ca, certFile, keyFile string) (*http.Transport, error) {
 	t := http.DefaultTransport.(*http.Transport).Clone()
 	t.MaxIdleConnsPerHost = 256
-	return t
+	if socket != "" {
+		var d net.Dialer
+		t.DialContext = func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return d.DialContext(ctx, "unix", socket)
+		}
+	}
+	t.TLSClientConfig = &tls.Config{MinVersion: tls.VersionTLS12}
+	if ca != "" {
+		pem, err := os.ReadFile(ca)
+		if err != nil {
+			return nil, fmt.Errorf("-upstream-ca: %w", err)
+		}
+		t.TLSClientConfig.RootCAs = x509.NewCertPool()
+		if !t.TLSClientConfig.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, usageError{fmt.Sprintf("-upstream-ca %s: no PEM certificate in it", ca)}
+		}
+	}
+	if (certFile == "") != (keyFile == "") {
+		return nil, usageError{"-upstream-cert and -upstream-key go together"}
+	}
+	if certFile != "" {
+		cert, err := tls.LoadX509KeyPair(certFile, keyFile)
+		if err != nil {
+			return nil, fmt.Errorf("-upstream-cert, -upstream-key: %w", err)
+		}
+		t.TLSClientConfig.Certificates = []tls.Certificate{cert}
+	}
+	return t, nil
 }
 
 // protectedHeaders is the set dropAliases guards: every field the proxy

@@ -19,10 +19,15 @@ Routes (POST unless said):
   GET /_stats       what it was asked: calls and charges per operation key,
                     operation keys per Idempotency-Key
   GET anything else 200, echoing the headers it got
-It prints "PORT <n>" once it listens on 127.0.0.1.
+It prints "PORT <n>" once it listens on 127.0.0.1. With --tls CERT KEY CA
+it serves HTTPS and requires a client certificate signed by CA; with
+--unix PATH it listens on that Unix socket instead (and prints "PORT 0").
 """
 
 import json
+import os
+import socketserver
+import ssl
 import sys
 import threading
 import time
@@ -77,7 +82,8 @@ class Handler(BaseHTTPRequestHandler):
         with lock:
             calls[op] = calls.get(op, 0) + 1
             n = calls[op]
-            scoped = self.headers.get("X-Account-ID", "") + "/" + self.headers.get("Idempotency-Key", "")
+            key = self.headers.get("Idempotency-Key") or self.headers.get("X-Idempotency-Key", "")
+            scoped = self.headers.get("X-Account-ID", "") + "/" + key
             operations.setdefault(scoped, set()).add(op)
             stale = op and token < tokens.get(op, 0)
             if not stale:
@@ -110,7 +116,7 @@ class Handler(BaseHTTPRequestHandler):
         seen = {h: self.headers.get(h) for h in (
             "Idempotency-Operation-Key", "Idempotency-Fencing-Token", "Idempotency-Attempt",
             "X-Forwarded-For", "X-Forwarded-Host", "X-Forwarded-Proto", "X-Forwarded-Port",
-            "X-Forwarded-Ssl", "X-Secret", "Idempotency-Key")}
+            "X-Forwarded-Ssl", "X-Secret", "Idempotency-Key", "X-Idempotency-Key", "X-Request-Id")}
         body = json.dumps({"id": charge, "request": request.decode("utf-8", "replace"), "seen": seen,
                            "environ": self.environ()})
         self.reply(201, body.encode())
@@ -126,8 +132,31 @@ class Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
+class UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+class UnixHandler(Handler):
+    def address_string(self):
+        return "unix"
+
+
 def main():
+    args = sys.argv[1:]
+    if args[:1] == ["--unix"]:
+        if os.path.exists(args[1]):
+            os.unlink(args[1])
+        server = UnixServer(args[1], UnixHandler)
+        print("PORT 0", flush=True)
+        server.serve_forever()
+        return
     server = Server(("127.0.0.1", 0), Handler)
+    if args[:1] == ["--tls"]:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(args[1], args[2])
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(args[3])
+        server.socket = ctx.wrap_socket(server.socket, server_side=True)
     print("PORT %d" % server.server_address[1], flush=True)
     server.serve_forever()
 
