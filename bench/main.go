@@ -79,7 +79,7 @@ func main() {
 	flag.StringVar(&cfg.redisAddr, "redis", "", "Redis `HOST:PORT` (default: start a throwaway redis-server)")
 	flag.StringVar(&cfg.cluster, "cluster", "", "Redis Cluster node addresses, `ADDR,...`")
 	flag.StringVar(&cfg.postgresDSN, "postgres", "", "PostgreSQL `DSN` (default: start a throwaway server if installed)")
-	flag.StringVar(&cfg.valkey, "valkey", "", "a Valkey 8 `HOST:PORT` with appendonly yes, for the durability rows (default: start a throwaway valkey-server, appendfsync everysec, if installed)")
+	flag.StringVar(&cfg.valkey, "valkey", "", "a Valkey 8 `HOST:PORT` with appendonly yes and appendfsync always, for the durability rows (default: start a throwaway valkey-server, appendfsync always, if installed)")
 	flag.DurationVar(&cfg.duration, "duration", time.Second, "measuring time of one run of one row")
 	flag.IntVar(&cfg.runs, "runs", 3, "runs of every row, `N`: a row's figures are the medians over its runs")
 	flag.IntVar(&cfg.concurrency, "concurrency", 50, "concurrent operations per row")

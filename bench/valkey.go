@@ -11,10 +11,10 @@ import (
 	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 )
 
-// The durability rows: a new operation on a Valkey server with its
-// append-only file fsynced every second, without and with
-// RedisOptions.Fsync, so that the second's cost is what a power-loss
-// guarantee costs.
+// The durability rows: a new operation on a Valkey server that fsyncs its
+// append-only file before it answers (appendfsync always, the setting
+// RedisOptions.Fsync.Master requires), without and with RedisOptions.Fsync,
+// so that the second's cost is what confirming that guarantee costs.
 const (
 	valkeyNewOp = "valkey/new-operation"
 	fsyncNewOp  = "valkey/new-operation+fsync"
@@ -25,13 +25,13 @@ const (
 func onValkey(name string) bool { return strings.HasPrefix(name, "valkey/") }
 
 // setupValkey connects to cfg.valkey, or starts a throwaway valkey-server
-// with appendonly yes and appendfsync everysec; on failure the durability
+// with appendonly yes and appendfsync always; on failure the durability
 // rows are skipped, with valkeySkip saying why.
 func (e *env) setupValkey(ctx context.Context, cfg config) {
 	err := func() error {
 		addr := cfg.valkey
 		if addr == "" {
-			srv, stop, err := testserver.LaunchServer("valkey-server", "--appendonly", "yes", "--appendfsync", "everysec")
+			srv, stop, err := testserver.LaunchServer("valkey-server", "--appendonly", "yes", "--appendfsync", "always")
 			if err != nil {
 				return err
 			}
@@ -76,5 +76,5 @@ func (e *env) valkeyNote() string {
 	if e.valkeyGuard == nil {
 		return e.valkeySkip
 	}
-	return fmt.Sprintf("Valkey %s, appendonly yes, appendfsync everysec, for the %s rows", e.valkeyVersion, valkeyNewOp)
+	return fmt.Sprintf("Valkey %s, appendonly yes, appendfsync always, for the %s rows", e.valkeyVersion, valkeyNewOp)
 }
