@@ -117,7 +117,8 @@ func TestProxyKeyHeader(t *testing.T) {
 }
 
 // TestProxyKeepStatus: -keep-status stores and replays an upstream 500,
-// for an upstream that cannot be asked twice.
+// and the proxy's own 504 at -operation-timeout, for an upstream that
+// cannot be asked twice.
 func TestProxyKeepStatus(t *testing.T) {
 	s := stores(t)["redis"](t)
 	u := startUpstream(t)
@@ -129,6 +130,14 @@ func TestProxyKeepStatus(t *testing.T) {
 	assert.Equal(t, "true", again.header.Get("Idempotent-Replayed"))
 	_, calls := u.operation(t, "acct_1", "keep-1")
 	assert.Equal(t, 1, calls)
+
+	hasty := startProxy(t, s.flags, u, "-keep-status", "504", "-operation-timeout", "400ms")
+	assert.Equal(t, http.StatusGatewayTimeout, post(t, hasty.url, "/hang", "acct_1", "keep-2", `{}`).status)
+	again = post(t, hasty.url, "/hang", "acct_1", "keep-2", `{}`)
+	assert.Equal(t, http.StatusGatewayTimeout, again.status)
+	assert.Equal(t, "true", again.header.Get("Idempotent-Replayed"))
+	_, calls = u.operation(t, "acct_1", "keep-2")
+	assert.Equal(t, 1, calls, "the upstream that timed out is not asked again")
 
 	code, _, stderr := command(t, "", "-redis", "redis://127.0.0.1:1", "proxy", "-single-tenant",
 		"-upstream", "http://127.0.0.1:1", "-keep-status", "5000")
