@@ -60,6 +60,7 @@ type upstreamStats struct {
 	Calls      map[string]int      `json:"calls"`      // by operation key
 	Charges    map[string]string   `json:"charges"`    // by operation key
 	Operations map[string][]string `json:"operations"` // operation keys by "scope/Idempotency-Key"
+	Performed  map[string]int      `json:"performed"`  // charges made on /ledger, by operation key
 }
 
 func (u upstream) stats(t *testing.T) upstreamStats {

@@ -16,12 +16,22 @@ Routes (POST unless said):
                     to https:// unless X-Forwarded-Proto is https, else as
                     /charges
   /big?bytes=N      201 with N bytes of body
+  /ledger           a charge whose ledger write fails once: the operation's
+                    first call makes the charge, then answers 503 (the
+                    ledger write failed); the next finds the charge already
+                    made under its operation key, answers 409 duplicate and
+                    writes the ledger; every later one answers 201 with the
+                    original charge. The charge is made once per operation.
   GET /_stats       what it was asked: calls and charges per operation key,
-                    operation keys per Idempotency-Key
+                    operation keys per Idempotency-Key, charges made per
+                    operation key on /ledger
   GET anything else 200, echoing the headers it got
 It prints "PORT <n>" once it listens on 127.0.0.1. With --tls CERT KEY CA
 it serves HTTPS and requires a client certificate signed by CA; with
 --unix PATH it listens on that Unix socket instead (and prints "PORT 0").
+With --nodelay it sets TCP_NODELAY on its connections; without, it sends an
+answer's header and body in two sends under Nagle's algorithm, as
+http.server does by default.
 """
 
 import json
@@ -39,6 +49,8 @@ calls = {}       # operation key -> requests received
 charges = {}     # operation key -> the charge made for it
 tokens = {}      # operation key -> greatest fencing token seen
 operations = {}  # "scope/Idempotency-Key" -> set of operation keys
+performed = {}   # operation key -> charges made on /ledger
+ledger = {}      # operation key -> True once /ledger wrote its ledger line
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -65,12 +77,32 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/_stats":
             with lock:
-                stats = {"calls": calls, "charges": charges,
+                stats = {"calls": calls, "charges": charges, "performed": performed,
                          "operations": {k: sorted(v) for k, v in operations.items()}}
                 body = json.dumps(stats).encode()
             self.reply(200, body)
             return
         self.reply(200, json.dumps({"headers": dict(self.headers.items())}).encode())
+
+    def ledger(self, op):
+        """De-duplicates on the operation key: the charge is made on the
+        operation's first call only; its ledger write fails that once."""
+        with lock:
+            first = op not in charges
+            if first:
+                charges[op] = "ch_%d" % (len(charges) + 1)
+                performed[op] = performed.get(op, 0) + 1
+            written = ledger.get(op, False)
+            ledger[op] = not first
+            charge = charges[op]
+        if first:
+            self.reply(503, json.dumps({"error": "ledger write failed", "operation": op}).encode())
+        elif not written:
+            self.reply(409, json.dumps({"error": "duplicate", "operation": op}).encode())
+        else:
+            self.reply(201, json.dumps({"id": charge, "seen": {
+                "Idempotency-Operation-Key": op,
+                "Idempotency-Attempt": self.headers.get("Idempotency-Attempt")}}).encode())
 
     def do_POST(self):
         url = urlparse(self.path)
@@ -105,6 +137,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Location", "https://%s%s" % (host, self.path))
             self.send_header("Content-Length", "0")
             self.end_headers()
+            return
+        if url.path == "/ledger":
+            self.ledger(op)
             return
         if url.path == "/big":
             self.reply(201, b"x" * int(query.get("bytes", ["0"])[0]), "application/octet-stream")
@@ -150,6 +185,9 @@ def main():
         print("PORT 0", flush=True)
         server.serve_forever()
         return
+    if args[:1] == ["--nodelay"]:
+        args = args[1:]
+        Handler.disable_nagle_algorithm = True
     server = Server(("127.0.0.1", 0), Handler)
     if args[:1] == ["--tls"]:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
