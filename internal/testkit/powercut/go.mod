@@ -1,0 +1,17 @@
+module github.com/idempotency-go/idempotency/internal/testkit/powercut
+
+go 1.26.0
+
+require (
+	github.com/hanwen/go-fuse/v2 v2.12.1
+	github.com/idempotency-go/idempotency v0.0.0
+	github.com/redis/go-redis/v9 v9.23.0
+)
+
+require (
+	github.com/cespare/xxhash/v2 v2.3.0 // indirect
+	go.uber.org/atomic v1.12.0 // indirect
+	golang.org/x/sys v0.48.0 // indirect
+)
+
+replace github.com/idempotency-go/idempotency => ../../..
