@@ -10,6 +10,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"reflect"
 	"slices"
 	"strconv"
 	"strings"
@@ -42,9 +43,11 @@ type MiddlewareOptions struct {
 	// Scope returns the scope of the request's key: the account or tenant
 	// it belongs to, so that two tenants never share a record whatever keys
 	// their clients choose. An error answers 400 (unknown-scope), and the
-	// error's text is not sent. Required: Middleware panics without it, so
-	// that no API shares keys between its tenants by omission; an API with
-	// a single tenant says so with SingleTenant.
+	// error's text is not sent; so does an empty scope, which would put the
+	// request in one scope with every other request that names no account.
+	// Required: Middleware panics without it, so that no API shares keys
+	// between its tenants by omission; an API with a single tenant says so
+	// with SingleTenant, the one Scope whose empty scope is served.
 	Scope func(r *http.Request) (string, error)
 	// MaxRequestBytes bounds the request body, which is read whole before
 	// the handler runs to fingerprint it. A larger body answers 413 and
@@ -191,7 +194,8 @@ func DefaultDisposition(status int) Disposition {
 //	missing-key           400  no Idempotency-Key and it is required
 //	repeated-key          400  Idempotency-Key sent more than once
 //	invalid-key           400  key not 1..255 visible ASCII, or a malformed sf-string
-//	unknown-scope         400  Scope failed
+//	unknown-scope         400  Scope failed, or named no scope (not SingleTenant)
+//	key-expired           400  key older than the retention, its record gone (KeyTime)
 //	unreadable-body       400  the request body could not be read
 //	body-too-large        413  request body over MaxRequestBytes
 //	key-reused            422  key used before with a different request
@@ -208,7 +212,8 @@ func (g *Guard) Middleware(o MiddlewareOptions) func(http.Handler) http.Handler 
 	o = o.withDefaults()
 	secs := max(1, int64(math.Ceil(o.RetryAfter.Seconds())))
 	return func(next http.Handler) http.Handler {
-		return &guarded{g: g, o: o, next: next, retryAfterSecs: strconv.FormatInt(secs, 10)}
+		return &guarded{g: g, o: o, next: next, retryAfterSecs: strconv.FormatInt(secs, 10),
+			singleTenant: reflect.ValueOf(o.Scope).Pointer() == reflect.ValueOf(SingleTenant).Pointer()}
 	}
 }
 
@@ -236,6 +241,7 @@ type guarded struct {
 	o              MiddlewareOptions
 	next           http.Handler
 	retryAfterSecs string // o.RetryAfter, as Retry-After sends it
+	singleTenant   bool   // o.Scope is SingleTenant: the empty scope is every request's
 }
 
 func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -284,7 +290,7 @@ func (h *guarded) admit(r *http.Request, values []string) (Key, []byte, error) {
 		return Key{}, nil, err
 	}
 	k := Key{Name: name}
-	if k.Scope, err = h.o.Scope(r); err != nil {
+	if k.Scope, err = h.o.Scope(r); err != nil || k.Scope == "" && !h.singleTenant {
 		return Key{}, nil, errScope
 	}
 	body, err := h.readBody(r)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 	"strconv"
 	"strings"
 	"time"
@@ -36,9 +37,12 @@ type ServerOptions struct {
 	// belongs to, so that two tenants never share a record whatever keys
 	// their clients choose. An error ends the call: with its own status
 	// when it carries one (status.Error), else with InvalidArgument, its
-	// text not sent. Required: UnaryServerInterceptor panics without it, so
-	// that no service shares keys between its tenants by omission; a
-	// service with a single tenant says so with SingleTenant.
+	// text not sent. An empty scope ends it with InvalidArgument too: it
+	// would share one scope with every call that names no account.
+	// Required: UnaryServerInterceptor panics without it, so that no
+	// service shares keys between its tenants by omission; a service with
+	// a single tenant says so with SingleTenant, the one Scope whose empty
+	// scope is served.
 	Scope func(ctx context.Context, fullMethod string) (string, error)
 	// Disposition chooses, from the code the handler returned, what
 	// becomes of the record. Default DefaultDisposition.
@@ -115,7 +119,8 @@ func UnaryServerInterceptor(g *idempotency.Guard, o ServerOptions) grpc.UnarySer
 	}
 	o = o.withDefaults()
 	ms := max(1, o.RetryAfter.Milliseconds())
-	s := &server{g: g, o: o, pushback: metadata.Pairs(pushbackKey, strconv.FormatInt(ms, 10))}
+	s := &server{g: g, o: o, pushback: metadata.Pairs(pushbackKey, strconv.FormatInt(ms, 10)),
+		singleTenant: reflect.ValueOf(o.Scope).Pointer() == reflect.ValueOf(SingleTenant).Pointer()}
 	return s.intercept
 }
 
@@ -126,9 +131,10 @@ var (
 )
 
 type server struct {
-	g        *idempotency.Guard
-	o        ServerOptions
-	pushback metadata.MD
+	g            *idempotency.Guard
+	o            ServerOptions
+	pushback     metadata.MD
+	singleTenant bool // o.Scope is SingleTenant: the empty scope is every call's
 }
 
 func (s *server) intercept(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
@@ -185,6 +191,9 @@ func (s *server) admit(ctx context.Context, method string, req any, keys []strin
 		if st, ok := status.FromError(err); ok {
 			return call{}, st.Err()
 		}
+		return call{}, errScope
+	}
+	if c.key.Scope == "" && !s.singleTenant {
 		return call{}, errScope
 	}
 	m, ok := req.(proto.Message)

@@ -553,3 +553,26 @@ func TestServerRequiresScope(t *testing.T) {
 		idempotencygrpc.UnaryServerInterceptor(g, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant})
 	})
 }
+
+// A Scope that names no account is refused, as one that fails is: only
+// SingleTenant serves the empty scope.
+func TestEmptyScopeRefused(t *testing.T) {
+	g := idempotency.New(idempotency.NewMemoryStore(idempotency.MemoryOptions{}), idempotency.Options{})
+	info := &grpc.UnaryServerInfo{FullMethod: "/grpc.health.v1.Health/Check"}
+	runs := 0
+	handler := func(context.Context, any) (any, error) {
+		runs++
+		return &healthpb.HealthCheckResponse{Status: healthpb.HealthCheckResponse_SERVING}, nil
+	}
+	ctx := metadata.NewIncomingContext(context.Background(), metadata.Pairs(idempotencygrpc.MetadataKey, "k1"))
+	accountOf := func(ctx context.Context, _ string) (string, error) {
+		md, _ := metadata.FromIncomingContext(ctx)
+		return strings.Join(md.Get("x-account-id"), ""), nil
+	}
+	_, err := idempotencygrpc.UnaryServerInterceptor(g, idempotencygrpc.ServerOptions{Scope: accountOf})(ctx, &healthpb.HealthCheckRequest{}, info, handler)
+	assert.Equal(t, codes.InvalidArgument, status.Code(err), "a call that names no account")
+	assert.Zero(t, runs)
+	_, err = idempotencygrpc.UnaryServerInterceptor(g, idempotencygrpc.ServerOptions{Scope: idempotencygrpc.SingleTenant})(ctx, &healthpb.HealthCheckRequest{}, info, handler)
+	require.NoError(t, err, "SingleTenant")
+	assert.Equal(t, 1, runs)
+}
