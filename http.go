@@ -25,8 +25,10 @@ const (
 	// HeaderReplayed is set to "true" on a response replayed from the
 	// record instead of produced by the handler for this request.
 	HeaderReplayed = "Idempotent-Replayed"
-	// HeaderBodyOmitted is set to "too-large" on a replayed response whose
-	// body was over MiddlewareOptions.MaxResponseBytes and so not stored.
+	// HeaderBodyOmitted is set on a replayed response whose body is not the
+	// original's: "too-large" when it was over
+	// MiddlewareOptions.MaxResponseBytes and so not stored, or the reason
+	// MiddlewareOptions.Stored gave ("omitted" for OmitBody).
 	HeaderBodyOmitted = "Idempotent-Body-Omitted"
 )
 
@@ -81,6 +83,16 @@ type MiddlewareOptions struct {
 	// (store unavailable, outcome not stored), in whole seconds rounded
 	// up, at least 1. Default 1s.
 	RetryAfter time.Duration
+	// Stored, when set, chooses what the record keeps of the handler's
+	// response, for routes whose answers carry secrets (an API key minted
+	// by a POST, a one-time credential): the client whose request ran the
+	// handler gets the response whole; the record, and so every replay,
+	// gets what Stored returns. A non-empty omitted is sent on replays as
+	// Idempotent-Body-Omitted, so that they say what they lack. Stored gets
+	// a copy of the response to change as it likes. OmitBody keeps the
+	// status and header fields only. Default nil: the response is kept
+	// whole.
+	Stored func(r *http.Request, resp Response) (kept Response, omitted string)
 	// OtherFingerprintHeaders lists the FingerprintHeaders of other
 	// instances of the service that share the store: during a deploy that
 	// changes FingerprintHeaders, the old list on the new instances and the
@@ -441,7 +453,36 @@ func (x *exchange) operate(ctx context.Context) (Response, error) {
 	if err == nil {
 		x.info.defaultTo(x.h.o.Disposition(resp.Status))
 	}
+	if err == nil && x.rec.state == recording {
+		resp = x.kept(resp)
+	}
 	return resp, err
+}
+
+// kept is what the record keeps of resp, a response the handler wrote
+// (MiddlewareOptions.Stored), marked with what it omits. A mark already
+// there ("too-large") stays.
+func (x *exchange) kept(resp Response) Response {
+	if x.h.o.Stored == nil {
+		return resp
+	}
+	resp.Header, resp.Body = resp.Header.Clone(), bytes.Clone(resp.Body)
+	kept, omitted := x.h.o.Stored(x.r, resp)
+	if kept.Header == nil {
+		kept.Header = http.Header{}
+	}
+	if omitted != "" && kept.Header.Get(HeaderBodyOmitted) == "" {
+		kept.Header.Del("Content-Length")
+		kept.Header.Set(HeaderBodyOmitted, omitted)
+	}
+	return kept
+}
+
+// OmitBody is a MiddlewareOptions.Stored that keeps a response's status
+// and header fields but not its body, which replays omit ("omitted").
+func OmitBody(_ *http.Request, resp Response) (Response, string) {
+	resp.Body = nil
+	return resp, "omitted"
 }
 
 // settleEarly settles the record with resp, the head of a response too large
@@ -449,6 +490,7 @@ func (x *exchange) operate(ctx context.Context) (Response, error) {
 // client at once, as a problem.
 func (x *exchange) settleEarly(resp Response) error {
 	x.info.defaultTo(x.h.o.Disposition(resp.Status))
+	resp = x.kept(resp)
 	err := x.info.settleEarly(resp)
 	if err != nil {
 		x.h.fail(x.w, x.r, err)
