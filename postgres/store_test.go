@@ -78,6 +78,7 @@ func TestStore(t *testing.T) {
 		{"TakeoverWaitsOutRelease", testTakeoverWaitsOutRelease},
 		{"AbandonedCorruptFingerprint", testAbandonedCorruptFingerprint},
 		{"ErrorsAreUnavailable", testErrorsAreUnavailable},
+		{"PointsSurviveTakeovers", testPointsSurviveTakeovers},
 		{"OwnerWritesPrepared", testOwnerWritesPrepared},
 		{"OwnerWriteInTxLostStatement", testOwnerWriteInTxLostStatement},
 		{"SimpleProtocolPool", testSimpleProtocolPool},
