@@ -33,8 +33,9 @@ type Postgres struct {
 	// server log. It survives Stop and Restart.
 	Dir string
 
-	pgctl  string
-	asUser []string // command prefix that drops root, or nil
+	pgctl    string
+	asUser   []string // command prefix that drops root, or nil
+	settings []string // PostgresConfig.Settings, each passed as -c
 }
 
 // StartPostgres initialises a fresh cluster with initdb, starts it with
@@ -48,7 +49,13 @@ type Postgres struct {
 // pg_ctl -D <dir> -m immediate stop.
 func StartPostgres(t testing.TB) *Postgres {
 	t.Helper()
-	p, stop, err := launchPostgres(t.Logf)
+	return startPostgres(t, PostgresConfig{})
+}
+
+// startPostgres does the work of StartPostgres and StartPostgresWith.
+func startPostgres(t testing.TB, cfg PostgresConfig) *Postgres {
+	t.Helper()
+	p, stop, err := launchPostgres(t.Logf, cfg)
 	if err != nil {
 		fail(t, err)
 	}
@@ -72,13 +79,13 @@ func StartPostgres(t testing.TB) *Postgres {
 // with StartPostgres, a program killed before it calls stop leaves the
 // server running.
 func LaunchPostgres() (p *Postgres, stop func() error, err error) {
-	return launchPostgres(func(string, ...any) {})
+	return launchPostgres(func(string, ...any) {}, PostgresConfig{})
 }
 
 // launchPostgres does the work of StartPostgres. logf hears what stop had to
 // do when pg_ctl could not stop the server. On error no server runs and the
 // directory is gone.
-func launchPostgres(logf func(format string, args ...any)) (p *Postgres, stop func() error, err error) {
+func launchPostgres(logf func(format string, args ...any), cfg PostgresConfig) (p *Postgres, stop func() error, err error) {
 	initdb, err := postgresBinary("initdb")
 	if err != nil {
 		return nil, nil, err
@@ -126,11 +133,14 @@ func launchPostgres(logf func(format string, args ...any)) (p *Postgres, stop fu
 		}
 	}
 
-	p = &Postgres{Dir: dir, pgctl: pgctl, asUser: asUser}
+	p = &Postgres{Dir: dir, pgctl: pgctl, asUser: asUser, settings: cfg.Settings}
 	out, err := p.run(60*time.Second, initdb, "-D", dir, "-U", "postgres", "-A", "trust",
 		"--no-sync", "-E", "UTF8", "--locale=C")
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("testserver: initdb: %v\n%s", err, tail(out, 8<<10)), removeDir())
+	}
+	if err := writeDataFiles(dir, uid, gid, cfg.Files); err != nil {
+		return nil, nil, errors.Join(err, removeDir())
 	}
 
 	// Also run when a start fails, which may leave the server half up.
@@ -184,6 +194,9 @@ func (p *Postgres) run(timeout time.Duration, bin string, args ...string) ([]byt
 // start starts the server on p.Port and waits until it accepts connections.
 func (p *Postgres) start() error {
 	opts := fmt.Sprintf("-p %d -k '%s' -c listen_addresses=127.0.0.1 -c fsync=off", p.Port, p.Dir)
+	for _, s := range p.settings {
+		opts += " -c " + s
+	}
 	out, err := p.run(60*time.Second, p.pgctl, "-D", p.Dir, "-l", p.logPath(), "-w", "-t", "30", "-o", opts, "start")
 	if err == nil {
 		err = waitPostgres(p.Port)
