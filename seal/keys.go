@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"hash"
+	"sync"
 
 	"github.com/idempotency-go/idempotency"
 )
@@ -38,13 +39,13 @@ type Keys struct {
 var ErrBadKeys = errors.New("seal: bad key configuration")
 
 // key is a Key made ready for use. Invariant: aead is AES-256-GCM under a
-// key derived from the secret for sealing alone, and fp is a key derived
-// from it for fingerprints alone, so that no output of one use helps an
+// key derived from the secret for sealing alone, and macs hold HMACs under
+// a key derived from it for fingerprints alone, so that no output of one use helps an
 // attack on the other.
 type key struct {
 	id   uint32
 	aead cipher.AEAD
-	fp   []byte
+	macs *sync.Pool // of HMAC-SHA-256 under the fingerprint key, each used by one call at a time
 }
 
 // Labels of the keys derived from a secret: HMAC-SHA-256(secret, label), a
@@ -77,7 +78,9 @@ func newKey(k Key) (*key, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: key %d: %w", ErrBadKeys, k.ID, err)
 	}
-	return &key{id: k.ID, aead: aead, fp: derive(k.Secret[:], fingerprintLabel)}, nil
+	fp := derive(k.Secret[:], fingerprintLabel)
+	macs := &sync.Pool{New: func() any { return hmac.New(sha256.New, fp) }}
+	return &key{id: k.ID, aead: aead, macs: macs}, nil
 }
 
 // keyring holds a Store's keys. Invariant: byID holds current and every
@@ -122,42 +125,48 @@ const feistelRounds = 4
 // (unfingerprint), which is how Inspect and ListAbandoned give back the
 // fingerprint a claim was made with.
 func (k *key) fingerprint(fp idempotency.Fingerprint) idempotency.Fingerprint {
-	m := hmac.New(sha256.New, k.fp)
-	l, r := fp[:16:16], fp[16:]
+	m := k.macs.Get().(hash.Hash)
+	defer k.macs.Put(m)
+	var l, r, next [16]byte
+	copy(l[:], fp[:16])
+	copy(r[:], fp[16:])
 	for i := range feistelRounds {
-		l, r = r, xorRound(m, i, r, l)
+		xorRound(m, i, &r, &l, &next)
+		l, r = r, next
 	}
 	var out idempotency.Fingerprint
-	copy(out[:16], l)
-	copy(out[16:], r)
+	copy(out[:16], l[:])
+	copy(out[16:], r[:])
 	return out
 }
 
 // unfingerprint inverts fingerprint: k.unfingerprint(k.fingerprint(fp)) ==
 // fp for every fp.
 func (k *key) unfingerprint(kept idempotency.Fingerprint) idempotency.Fingerprint {
-	m := hmac.New(sha256.New, k.fp)
-	l, r := kept[:16:16], kept[16:]
+	m := k.macs.Get().(hash.Hash)
+	defer k.macs.Put(m)
+	var l, r, prev [16]byte
+	copy(l[:], kept[:16])
+	copy(r[:], kept[16:])
 	for i := feistelRounds - 1; i >= 0; i-- {
-		l, r = xorRound(m, i, l, r), l
+		xorRound(m, i, &l, &r, &prev)
+		l, r = prev, l
 	}
 	var out idempotency.Fingerprint
-	copy(out[:16], l)
-	copy(out[16:], r)
+	copy(out[:16], l[:])
+	copy(out[16:], r[:])
 	return out
 }
 
-// xorRound returns a fresh half: x XOR the first 16 bytes of
-// HMAC(round || half).
-func xorRound(m hash.Hash, round int, half, x []byte) []byte {
+// xorRound sets out to x XOR the first 16 bytes of HMAC(round || half)
+// under m's key.
+func xorRound(m hash.Hash, round int, half, x, out *[16]byte) {
 	m.Reset()
 	m.Write([]byte{byte(round)})
-	m.Write(half)
+	m.Write(half[:])
 	var sum [sha256.Size]byte
 	f := m.Sum(sum[:0])
-	out := make([]byte, 16)
 	for i := range out {
 		out[i] = x[i] ^ f[i]
 	}
-	return out
 }
