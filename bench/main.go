@@ -55,6 +55,7 @@ import (
 	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
 	idempotencyotel "github.com/idempotency-go/idempotency/otel"
 	"github.com/idempotency-go/idempotency/postgres"
+	"github.com/idempotency-go/idempotency/seal"
 )
 
 type config struct {
@@ -139,6 +140,7 @@ type env struct {
 	redisGuard        *idempotency.Guard
 	slogGuard         *idempotency.Guard // redisGuard's store, logging every event
 	otelGuard         *idempotency.Guard // redisGuard's store, with the OpenTelemetry observer
+	sealedGuard       *idempotency.Guard // redisGuard's store, sealed (seal.Store)
 	pgGuard           *idempotency.Guard // nil without PostgreSQL
 	pgNaive           *naive             // the PostgreSQL floors' table; nil without PostgreSQL
 	pgSkip, pgVersion string
@@ -194,6 +196,11 @@ func setup(ctx context.Context, cfg config, log io.Writer) (e *env, err error) {
 		return e, err
 	}
 	e.otelGuard = idempotency.New(rs, idempotency.Options{Retention: retention, Observer: obs})
+	sealed, err := seal.New(rs, seal.Keys{Current: benchKey()})
+	if err != nil {
+		return e, err
+	}
+	e.sealedGuard = idempotency.New(sealed, idempotency.Options{Retention: retention})
 
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"hash/maphash"
@@ -18,6 +19,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idempotency-go/idempotency"
+	"github.com/idempotency-go/idempotency/seal"
 )
 
 // row is one line of the table.
@@ -67,6 +69,9 @@ func (e *env) rows() []row {
 		{name: "redis/new-operation+otel", baseline: newOp, prepare: e.newOperation(e.otelGuard, ""),
 			footnote: "with the otel module's Observer on the SDK's meter and tracer providers, every span sampled, nothing exported"},
 		{name: "redis/replay+otel", baseline: replayOp, prepare: e.replay(e.otelGuard, "")},
+		{name: "redis/new-operation+sealed", baseline: newOp, prepare: e.newOperation(e.sealedGuard, ""),
+			footnote: "through seal.Store: the fingerprint keyed, the response's body and header value sealed with AES-256-GCM (opened again in redis/replay+sealed)"},
+		{name: "redis/replay+sealed", baseline: replayOp, prepare: e.replay(e.sealedGuard, "")},
 		{name: bareHTTP, prepare: e.httpFresh("/bare"),
 			footnote: "for scale: a handler that makes no Redis call, on the same server and client as the HTTP rows"},
 		{name: httpTwo, prepare: e.httpFresh("/two"),
@@ -106,6 +111,7 @@ func (e *env) rows() []row {
 		{name: at1(fsyncNewOp), concurrency: 1, baseline: at1(valkeyNewOp), prepare: e.newOperation(e.fsyncGuard, e.valkeySkip)},
 		{name: "memory/new-operation", baseline: two, prepare: onMemory(e.newOperation)},
 		{name: "memory/replay", baseline: one, prepare: onMemory(e.replay)},
+		{name: "memory/new-operation+sealed", baseline: "memory/new-operation", prepare: onMemory(e.newOperation, sealedMemory)},
 	}
 }
 
@@ -265,14 +271,34 @@ func (e *env) replay(g *idempotency.Guard, skip string) prepareFunc {
 }
 
 // onMemory gives each run of a memory row a Guard on an empty memory
-// store: once the run ends its records are garbage, not live heap that
-// every later row's collections would have to mark.
-func onMemory(rowOf func(*idempotency.Guard, string) prepareFunc) prepareFunc {
+// store, wrapped by each of wrap: once the run ends its records are
+// garbage, not live heap that every later row's collections would have to
+// mark.
+func onMemory(rowOf func(*idempotency.Guard, string) prepareFunc, wrap ...func(idempotency.Store) (idempotency.Store, error)) prepareFunc {
 	return func(ctx context.Context, prefix string) (timedOp, error) {
 		// Every new operation of a run must fit: a full memory store refuses.
-		s := idempotency.NewMemoryStore(idempotency.MemoryOptions{MaxRecords: 1 << 24})
+		var s idempotency.Store = idempotency.NewMemoryStore(idempotency.MemoryOptions{MaxRecords: 1 << 24})
+		for _, w := range wrap {
+			var err error
+			if s, err = w(s); err != nil {
+				return nil, err
+			}
+		}
 		return rowOf(idempotency.New(s, idempotency.Options{Retention: retention}), "")(ctx, prefix)
 	}
+}
+
+// sealedMemory wraps a memory row's store in a seal.Store.
+func sealedMemory(s idempotency.Store) (idempotency.Store, error) {
+	return seal.New(s, seal.Keys{Current: benchKey()})
+}
+
+// benchKey is a sealing key with a random secret: the bench's records
+// never outlive it.
+func benchKey() seal.Key {
+	k := seal.Key{ID: 1}
+	_, _ = rand.Read(k.Secret[:]) // never fails: see crypto/rand.Read
+	return k
 }
 
 // handle is the HTTP rows' handler: it reads the request and creates.
