@@ -99,3 +99,38 @@ func TestSealUnknownKeyMiddleware(t *testing.T) {
 	assert.NotContains(t, w.Body.String(), marker)
 	assert.Equal(t, int32(1), ran.Load(), "the handler's runs")
 }
+
+// A step sealed under a key since removed fails the step before it runs
+// again, and the record is released, not completed; the operator's bare
+// Guard (the idempotency command has no keys) can still forget the record.
+func TestSealStepUnderRemovedKey(t *testing.T) {
+	inner := memory()
+	key1, key2 := newKey(1), newKey(2)
+	k := idempotency.Key{Scope: "acct_1", Name: "charge"}
+	token := own(t, sealed(t, inner, seal.Keys{Current: key2}), k) // its fingerprint keyed by key 2
+	require.NoError(t, inner.Release(t.Context(), k, token))
+	// An instance still writing with key 1, key 2 only accepted, takes it over and records a step.
+	_, err := idempotency.New(sealed(t, inner, seal.Keys{Current: key1, Earlier: []seal.Key{key2}}), idempotency.Options{}).
+		Do(t.Context(), k, markedRequest, stepThenFail)
+	require.ErrorIs(t, err, errCrash)
+
+	_, err = idempotency.New(sealed(t, inner, seal.Keys{Current: key2}), idempotency.Options{}).
+		Do(t.Context(), k, markedRequest, func(ctx context.Context) (idempotency.Response, error) {
+			_, err := idempotency.Step(ctx, "charge", func(context.Context) (string, error) {
+				t.Error("the step ran again")
+				return "", nil
+			})
+			return idempotency.Response{Status: http.StatusCreated}, err
+		})
+	require.ErrorIs(t, err, seal.ErrUnknownKey)
+	assert.Contains(t, err.Error(), "key ID 1")
+	rec, err := inner.Inspect(t.Context(), k)
+	require.NoError(t, err)
+	assert.Equal(t, idempotency.RecordReleased, rec.State)
+	assert.Equal(t, []string{"charge"}, rec.Steps)
+
+	require.NoError(t, idempotency.New(inner, idempotency.Options{}).Act(t.Context(), rec,
+		idempotency.OperatorAction{Disposition: idempotency.Forget, Force: true}), "the bare command's forget")
+	_, err = inner.Inspect(t.Context(), k)
+	require.ErrorIs(t, err, idempotency.ErrNoRecord)
+}
