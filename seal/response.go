@@ -24,8 +24,6 @@ import (
 // The body's envelope is exactly Overhead bytes longer than the body, which
 // is how Inspect shows the body's size without opening it.
 
-var headerValues = base64.RawStdEncoding
-
 // shape is the header's names, sorted, each with its number of values.
 func shape(h http.Header) (names []string, extra []byte) {
 	names = make([]string, 0, len(h))
@@ -71,7 +69,7 @@ func (s *Store) sealResponse(k idempotency.Key, resp idempotency.Response) idemp
 		sealed := make([]string, len(vs))
 		for i, v := range vs {
 			env := sealWith(s.keys.current, []byte(v), headerAssoc(k, resp.Status, body[nonceAt:sealedAt], name, i, len(vs)))
-			sealed[i] = headerValues.EncodeToString(env)
+			sealed[i] = base64.RawStdEncoding.EncodeToString(env)
 		}
 		out.Header[name] = sealed
 	}
@@ -96,7 +94,7 @@ func (s *Store) openResponse(k idempotency.Key, kept idempotency.Response) (idem
 		vs := kept.Header[name]
 		plain := make([]string, len(vs))
 		for i, v := range vs {
-			env, err := headerValues.DecodeString(v)
+			env, err := base64.RawStdEncoding.DecodeString(v)
 			if err != nil {
 				return idempotency.Response{}, fmt.Errorf("the response of %v, field %s: %w", k, name, ErrUnopenable)
 			}

@@ -118,8 +118,8 @@ func untagOperation(kept string) (id string, keyID uint32, tagged bool) {
 // handler unguarded on them, since the record exists and may be an
 // operation that ran.
 func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.Claim, error) {
-	if len(req.OperationID) > MaxOperationID {
-		return idempotency.Claim{}, fmt.Errorf("seal: an operation ID of %d bytes, at most %d", len(req.OperationID), MaxOperationID)
+	if len(req.OperationID) == 0 || len(req.OperationID) > MaxOperationID {
+		return idempotency.Claim{}, fmt.Errorf("seal: an operation ID of %d bytes, want 1..%d", len(req.OperationID), MaxOperationID)
 	}
 	c, err := s.claimAs(ctx, req, s.keys.current)
 	if err != nil || c.State != idempotency.Mismatch {
