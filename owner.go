@@ -350,11 +350,17 @@ func (g *Guard) within(ctx context.Context, call func(ctx context.Context) error
 	}
 }
 
-// write makes a store call for the owner while it holds the lease, with
-// the lease's local end as its deadline. A call the store fences loses the
-// lease: the operation's context is done. A call cut off by its context
-// fails with why the lease was lost, if it was, and ErrUnavailable
-// otherwise, as any store failure.
+// write makes a store call for the owner while it holds the lease, until
+// the lease's local end, wherever the renewals confirmed during the call
+// move it: the owner's timer ends o.ctx there, and that ends the call. Its
+// deadline, a lease past the end known when it starts, only backstops a
+// store that ends a call by its deadline alone. A deadline fixed at the
+// start would cut off a step's save that waits for a connection while
+// renewals keep the lease: the step would run unrecorded, and again on
+// the retry.
+// A call the store fences loses the lease: the operation's context is
+// done. A call cut off by its context fails with why the lease was lost,
+// if it was, and ErrUnavailable otherwise, as any store failure.
 func (o *owner) write(ctx context.Context, call func(ctx context.Context) error) error {
 	o.mu.Lock()
 	err, deadline := o.usableLocked(), o.deadline
@@ -362,8 +368,9 @@ func (o *owner) write(ctx context.Context, call func(ctx context.Context) error)
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithDeadline(ctx, deadline)
+	ctx, cancel := context.WithDeadline(ctx, deadline.Add(o.g.opts.Lease))
 	defer cancel()
+	defer context.AfterFunc(o.ctx, cancel)()
 	err = o.g.within(ctx, call)
 	o.mu.Lock()
 	defer o.mu.Unlock()

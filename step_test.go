@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -285,4 +286,39 @@ func TestStepUnansweredSave(t *testing.T) {
 	})
 	require.Error(t, err)
 	assert.True(t, errors.Is(err, idempotency.ErrUnavailable) || errors.Is(err, idempotency.ErrFenced), "%v", err)
+}
+
+// slowSaves is a store whose recovery points take hold long after they are
+// sent, as a save that waits for a pool's new connection does, while the
+// owner's renewals still get through.
+type slowSaves struct {
+	*idempotency.MemoryStore
+	delay time.Duration
+}
+
+func (s slowSaves) SaveRecoveryPoint(ctx context.Context, k idempotency.Key, token uint64, p idempotency.RecoveryPoint) error {
+	select {
+	case <-time.After(s.delay):
+	case <-ctx.Done():
+		return fmt.Errorf("%w: %w", idempotency.ErrUnavailable, ctx.Err())
+	}
+	return s.MemoryStore.SaveRecoveryPoint(ctx, k, token, p)
+}
+
+// A step's save that outlasts the lease's end as it stood when the save
+// began, while renewals move that end, is recorded: the save lasts as long
+// as the lease does, so the step is not run again.
+func TestSlowSaveOutlastsTheLeaseItBeganUnder(t *testing.T) {
+	const lease = 300 * time.Millisecond
+	store := slowSaves{idempotency.NewMemoryStore(idempotency.MemoryOptions{}), lease}
+	g := idempotency.New(store, idempotency.Options{Lease: lease})
+	k, fp := idempotency.Key{Name: "slow-save"}, idempotency.FingerprintOf("charge", nil)
+	var l ledger
+	res, err := g.Do(t.Context(), k, fp, func(ctx context.Context) (idempotency.Response, error) {
+		charge, err := l.step(ctx, "charge", nil)
+		return idempotency.Response{Status: 201, Body: []byte(charge)}, err
+	})
+	require.NoError(t, err, "an operation whose step's save outlasted the lease it began under")
+	assert.Equal(t, "charge_1", string(res.Response.Body))
+	assert.Equal(t, 1, l.count("charge"))
 }

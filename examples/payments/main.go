@@ -236,6 +236,11 @@ func openPostgres(ctx context.Context, cfg config) (*backends, error) {
 	if pc.ConnConfig.ConnectTimeout == 0 {
 		pc.ConnConfig.ConnectTimeout = 2 * time.Second
 	}
+	// Connections made up front: a new PostgreSQL backend can take a large
+	// part of a lease to start, and an owner's write would wait for it.
+	if pc.MinConns == 0 {
+		pc.MinConns = min(4, pc.MaxConns)
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
 		return nil, err
