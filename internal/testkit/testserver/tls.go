@@ -211,3 +211,32 @@ func writeDataFiles(dir string, uid, gid int, files map[string][]byte) error {
 	}
 	return nil
 }
+
+// StartPostgresTLS is StartPostgres serving f's server certificate, and
+// accepting TCP connections over TLS only, from clients with a certificate
+// of f's authority (hostssl, clientcert=verify-ca): p.DSN, which asks for no
+// TLS, is refused; TLSDSN is the one to use.
+func StartPostgresTLS(t testing.TB, f TLSFiles) *Postgres {
+	t.Helper()
+	files := map[string][]byte{
+		// The whole file: local socket connections (pg_ctl's) as before,
+		// TCP ones over TLS with a client certificate only.
+		"pg_hba.conf": []byte("local all all trust\nhostssl all all 127.0.0.1/32 trust clientcert=verify-ca\n"),
+	}
+	for name, path := range map[string]string{"server.crt": f.ServerCert, "server.key": f.ServerKey, "ca.crt": f.CA} {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatalf("testserver: %v", err)
+		}
+		files[name] = b
+	}
+	return StartPostgresWith(t, PostgresConfig{Files: files, Settings: []string{"ssl=on", "ssl_ca_file=ca.crt"}})
+}
+
+// TLSDSN is p.DSN for a server from StartPostgresTLS: it verifies the
+// server's certificate and name against f's authority (sslmode=verify-full,
+// sslrootcert) and presents f's client certificate (sslcert, sslkey).
+func (p *Postgres) TLSDSN(f TLSFiles) string {
+	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=verify-full&sslrootcert=%s&sslcert=%s&sslkey=%s",
+		p.Port, f.CA, f.ClientCert, f.ClientKey)
+}
