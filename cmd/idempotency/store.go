@@ -2,9 +2,12 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
+	"os"
 	"strings"
 
 	"github.com/idempotency-go/idempotency"
@@ -18,7 +21,16 @@ import (
 // Sentinel or Cluster) and PostgreSQL.
 type storeConfig struct {
 	redisURL, cluster, sentinel, prefix string
+	redisTLS                            redisTLS
 	postgresDSN, table                  string
+}
+
+// redisTLS is how the command reaches Redis over TLS: -redis takes it from
+// a rediss:// URL, -redis-cluster and -sentinel from -redis-tls or any of
+// the files.
+type redisTLS struct {
+	on             bool
+	ca, cert, keyf string // PEM files
 }
 
 func (c *storeConfig) flags(fs *flag.FlagSet) {
@@ -26,6 +38,10 @@ func (c *storeConfig) flags(fs *flag.FlagSet) {
 	fs.StringVar(&c.cluster, "redis-cluster", "", "a Redis Cluster, by its nodes' `ADDRS`, host:port,...")
 	fs.StringVar(&c.sentinel, "sentinel", "", "a Redis behind Sentinel, `MASTER@ADDRS`: the master's name and the sentinels' host:port,...")
 	fs.StringVar(&c.prefix, "redis-prefix", "", "the service's RedisOptions.Prefix (default idem:)")
+	fs.BoolVar(&c.redisTLS.on, "redis-tls", false, "reach -redis-cluster or -sentinel over TLS (for -redis, use rediss://)")
+	fs.StringVar(&c.redisTLS.ca, "redis-ca", "", "trust the CA certificates in `FILE` (PEM) for Redis's TLS, instead of the system's")
+	fs.StringVar(&c.redisTLS.cert, "redis-cert", "", "present the client certificate in `FILE` (PEM) to Redis, with -redis-key")
+	fs.StringVar(&c.redisTLS.keyf, "redis-key", "", "the client certificate's key, `FILE` (PEM)")
 	fs.StringVar(&c.postgresDSN, "postgres", "", "a PostgreSQL `DSN`")
 	fs.StringVar(&c.table, "table", "", "the service's postgres.Options.Table (default idempotency_records)")
 }
@@ -94,23 +110,80 @@ func (c *storeConfig) openFor(ctx context.Context, migrate bool) (opened, func()
 }
 
 func (c *storeConfig) redisClient() (redis.UniversalClient, error) {
-	switch {
-	case c.redisURL != "":
-		o, err := redis.ParseURL(c.redisURL)
-		if err != nil {
-			return nil, fmt.Errorf("-redis: %w", err)
-		}
-		o.ContextTimeoutEnabled = true
-		return redis.NewClient(o), nil
-	case c.cluster != "":
-		return redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(c.cluster, ","), ContextTimeoutEnabled: true}), nil
+	if c.redisURL != "" {
+		return c.standaloneClient()
+	}
+	tlsConfig, err := c.redisTLS.config(nil)
+	if err != nil {
+		return nil, err
+	}
+	if c.cluster != "" {
+		return redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(c.cluster, ","), TLSConfig: tlsConfig,
+			ContextTimeoutEnabled: true}), nil
 	}
 	master, addrs, ok := strings.Cut(c.sentinel, "@")
 	if !ok || master == "" || addrs == "" {
 		return nil, fmt.Errorf("-sentinel: want MASTER@host:port,..., got %q", c.sentinel)
 	}
 	return redis.NewFailoverClient(&redis.FailoverOptions{MasterName: master, SentinelAddrs: strings.Split(addrs, ","),
-		ContextTimeoutEnabled: true}), nil
+		TLSConfig: tlsConfig, ContextTimeoutEnabled: true}), nil
+}
+
+// standaloneClient is the client of -redis: over TLS exactly when its URL
+// is rediss://, which the TLS flags then configure.
+func (c *storeConfig) standaloneClient() (*redis.Client, error) {
+	o, err := redis.ParseURL(c.redisURL)
+	if err != nil {
+		return nil, fmt.Errorf("-redis: %w", err)
+	}
+	switch {
+	case o.TLSConfig == nil && c.redisTLS.given():
+		return nil, errors.New("-redis-tls, -redis-ca, -redis-cert and -redis-key need a rediss:// URL in -redis")
+	case o.TLSConfig != nil:
+		if o.TLSConfig, err = c.redisTLS.config(o.TLSConfig); err != nil {
+			return nil, err
+		}
+	}
+	o.ContextTimeoutEnabled = true
+	return redis.NewClient(o), nil
+}
+
+// given reports whether any TLS flag was set.
+func (t redisTLS) given() bool { return t.on || t.ca != "" || t.cert != "" || t.keyf != "" }
+
+// config returns base (go-redis's from a rediss:// URL, which names the
+// server) with the flags' CA and client certificate, or for base nil, a
+// new configuration when a flag asks for TLS and nil otherwise. Without
+// -redis-ca the system's CAs verify the server.
+func (t redisTLS) config(base *tls.Config) (*tls.Config, error) {
+	if base == nil && !t.given() {
+		return nil, nil
+	}
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12}
+	if base != nil {
+		cfg = base.Clone()
+	}
+	if t.ca != "" {
+		pem, err := os.ReadFile(t.ca)
+		if err != nil {
+			return nil, fmt.Errorf("-redis-ca: %w", err)
+		}
+		cfg.RootCAs = x509.NewCertPool()
+		if !cfg.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("-redis-ca: no PEM certificate in %s", t.ca)
+		}
+	}
+	if (t.cert == "") != (t.keyf == "") {
+		return nil, errors.New("-redis-cert and -redis-key go together")
+	}
+	if t.cert != "" {
+		cert, err := tls.LoadX509KeyPair(t.cert, t.keyf)
+		if err != nil {
+			return nil, fmt.Errorf("-redis-cert, -redis-key: %w", err)
+		}
+		cfg.Certificates = []tls.Certificate{cert}
+	}
+	return cfg, nil
 }
 
 func (c *storeConfig) openPostgres(ctx context.Context, migrate bool) (opened, func(), error) {
