@@ -131,6 +131,15 @@ func newTransport(socket, ca, certFile, keyFile string) (*http.Transport, error)
 		t.DialContext = func(ctx context.Context, _, _ string) (net.Conn, error) {
 			return d.DialContext(ctx, "unix", socket)
 		}
+	} else {
+		dial := t.DialContext
+		t.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			conn, err := dial(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return quickAck(conn), nil
+		}
 	}
 	t.TLSClientConfig = &tls.Config{MinVersion: tls.VersionTLS12}
 	if ca != "" {
