@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	tracenoop "go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/idempotency-go/idempotency"
 	idempotencyotel "github.com/idempotency-go/idempotency/otel"
@@ -283,7 +284,9 @@ func newMetrics(stats func(context.Context) (idempotency.Stats, error)) (*metric
 		return nil, fmt.Errorf("prometheus exporter: %w", err)
 	}
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter))
-	o, err := idempotencyotel.NewObserver(idempotencyotel.Options{MeterProvider: mp})
+	// The proxy exports metrics, never spans: a no-op tracer spares each
+	// call the spans the global tracer would make and drop.
+	o, err := idempotencyotel.NewObserver(idempotencyotel.Options{MeterProvider: mp, TracerProvider: tracenoop.NewTracerProvider()})
 	if err != nil {
 		_ = mp.Shutdown(context.Background())
 		return nil, fmt.Errorf("idempotency observer: %w", err)
