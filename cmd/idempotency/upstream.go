@@ -101,7 +101,9 @@ func upstreamHandler(o upstreamOptions) http.Handler {
 			pr.SetURL(o.target)
 			dropAliases(pr.Out.Header, o.protected)
 			setForwarded(pr, o.trustForwarded)
-			setOperationHeaders(pr.In.Context(), pr.Out.Header)
+			if setOperationHeaders(pr.In.Context(), pr.Out.Header) && pr.Out.Body != nil {
+				sendBufferedBody(pr)
+			}
 			if o.keyHeader != idempotency.HeaderKey {
 				pr.Out.Header.Del(idempotency.HeaderKey)
 			}
@@ -251,17 +253,32 @@ func hideKeyFromTransport(h http.Header) {
 }
 
 // setOperationHeaders replaces h's operation headers with those of the
-// operation in ctx, if there is one.
-func setOperationHeaders(ctx context.Context, h http.Header) {
+// operation in ctx, if there is one, and reports whether there is.
+func setOperationHeaders(ctx context.Context, h http.Header) bool {
 	h.Del(headerOperationKey)
 	h.Del(headerFencingToken)
 	h.Del(headerAttempt)
 	i, ok := idempotency.FromContext(ctx)
 	if !ok {
-		return
+		return false
 	}
 	key, _ := idempotency.DownstreamKey(ctx, downstreamName) // ctx carries the operation
 	h.Set(headerOperationKey, key)
 	h.Set(headerFencingToken, strconv.FormatUint(i.Token, 10))
 	h.Set(headerAttempt, strconv.Itoa(i.Attempt))
+	return true
+}
+
+// sendBufferedBody gives the upstream request of a guarded request, pr, the
+// body the middleware buffered (docs/http.md: the handler reads the
+// buffered body) instead of ReverseProxy's wrapper around it. The
+// Transport writes the header on its own, then the body, in two sends, for
+// a body it does not know to be in memory; this one it knows, and sends
+// the two together: one segment for a small request, and one read less for
+// the upstream. Closing that body, as the Transport may on a failed dial,
+// does nothing. GetBody stays nil, so the Transport never resends the
+// request (see hideKeyFromTransport).
+func sendBufferedBody(pr *httputil.ProxyRequest) {
+	pr.Out.Body = pr.In.Body
+	pr.Out.GetBody = nil
 }
