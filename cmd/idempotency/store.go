@@ -23,6 +23,9 @@ type storeConfig struct {
 	redisURL, cluster, sentinel, prefix string
 	redisTLS                            redisTLS
 	postgresDSN, table                  string
+	// noMigrate keeps the proxy from running Migrate: a runtime role
+	// without the table's ownership may not (docs/security.md).
+	noMigrate bool
 }
 
 // redisTLS is how the command reaches Redis over TLS: -redis takes it from
@@ -44,6 +47,7 @@ func (c *storeConfig) flags(fs *flag.FlagSet) {
 	fs.StringVar(&c.redisTLS.keyf, "redis-key", "", "the client certificate's key, `FILE` (PEM)")
 	fs.StringVar(&c.postgresDSN, "postgres", "", "a PostgreSQL `DSN`")
 	fs.StringVar(&c.table, "table", "", "the service's postgres.Options.Table (default idempotency_records)")
+	fs.BoolVar(&c.noMigrate, "no-migrate", false, "proxy: do not run Migrate on the PostgreSQL table at start-up, but require it migrated (for a role that does not own it)")
 }
 
 // opened is a store, as the library uses it and as an operator inspects it.
@@ -64,10 +68,10 @@ func (c *storeConfig) open(ctx context.Context) (opened, func(), error) {
 
 // openToServe opens the store the flags name for a service that runs
 // operations on it: a PostgreSQL table is made or brought up to date
-// (Migrate), and a Redis that may evict records is refused unless
+// (Migrate), unless -no-migrate, and a Redis that may evict records is refused unless
 // allowEviction.
 func (c *storeConfig) openToServe(ctx context.Context, allowEviction bool) (opened, func(), error) {
-	s, closeStore, err := c.openFor(ctx, true)
+	s, closeStore, err := c.openFor(ctx, !c.noMigrate)
 	if err != nil || c.postgresDSN != "" || allowEviction {
 		return s, closeStore, err
 	}
