@@ -264,7 +264,9 @@ func newNames(table string) names {
 // the table, which would hold up every store call behind it: while a
 // transaction holds the table (a CompleteTx not yet committed, a VACUUM) it
 // tries again, each attempt waiting a little longer (100ms, then up to 2s),
-// until ctx is done.
+// until ctx is done. A role without the privileges to create or change
+// them (a runtime role apart from the owner) fails at once, with an error
+// that does not wrap ErrUnavailable: no retry helps.
 func (s *Store) Migrate(ctx context.Context) error {
 	return s.migrate(ctx, schemaTemplate)
 }
@@ -299,6 +301,11 @@ func (s *Store) migrate(ctx context.Context, tmpl *template.Template) error {
 	for {
 		err := s.migrateOnce(ctx, tmpl, wait)
 		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+			// insufficient_privilege: no retry helps, so no ErrUnavailable.
+			return fmt.Errorf("postgres migrate: this role may not create or change the table and its functions; "+
+				"run Migrate as the role that owns them (docs/security.md, least privilege): %w", pgErr)
+		}
 		// lock_not_available, or a deadlock the server broke by failing
 		// this attempt: it rolled back, and the next one may get through.
 		if !errors.As(err, &pgErr) || (pgErr.Code != "55P03" && pgErr.Code != "40P01") {
