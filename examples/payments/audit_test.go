@@ -219,6 +219,7 @@ func (f *fleet) retry(ctx context.Context, c *http.Client, key string, amount in
 		}
 		req.Header.Set("Content-Type", "application/json")
 		req.Header.Set("Idempotency-Key", key)
+		req.Header.Set("X-Account-ID", testAccount)
 		r, err := roundTrip(c, req)
 		switch {
 		case ctx.Err() != nil:

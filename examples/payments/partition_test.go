@@ -285,6 +285,7 @@ func (l *load) post(base, key, body string) (reply, error) {
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Idempotency-Key", key)
+	req.Header.Set("X-Account-ID", testAccount)
 	return roundTrip(l.http, req)
 }
 
