@@ -414,6 +414,9 @@ func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx conte
 	if err := k.Validate(); err != nil {
 		return Result{}, err
 	}
+	if t, ok := g.store.(Transactor); ok {
+		return g.transact(ctx, t, k, fp, fn, cs)
+	}
 	c, sent, err := g.claim(ctx, k, fp, cs)
 	if err != nil {
 		return Result{}, err
@@ -579,6 +582,11 @@ type Info struct {
 // The operation's later return then settles nothing. It is there only for
 // an operation run by Guard.Do (not for Options.Recover).
 func (i *Info) settleEarly(resp Response) error {
+	if i.oneCommit() {
+		// Nothing may reach the client before the transaction commits: the
+		// middleware answers 503 and the store rolls back.
+		return fmt.Errorf("%w: a response over MaxResponseBytes cannot be streamed before the one-commit mode's commit", ErrUnavailable)
+	}
 	if !i.early {
 		return errors.New("idempotency: no early settlement here")
 	}

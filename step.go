@@ -51,6 +51,10 @@ type RecoveryPoint struct {
 // whose effect must not repeat should still send DownstreamKey(ctx, name)
 // to the service it calls.
 //
+// In the one-commit mode (see Transactor) a step is a plain call: fn runs
+// and nothing is recorded, since the store's transaction commits or rolls
+// back the step's database effects with everything else.
+//
 // Steps of one operation need distinct names; two with the same name must
 // not run at once. It fails with ErrNoOperation outside an operation (Do,
 // the middleware, Options.Recover), with ErrNoRecoveryPoints when the
@@ -65,6 +69,11 @@ func StepCodec[T any](ctx context.Context, c Codec, name string, fn func(ctx con
 	o, err := stepOwner(ctx, name)
 	if err != nil {
 		return v, err
+	}
+	if o == nil {
+		// The one-commit mode: the step's database effects commit or roll
+		// back with the whole operation, so there is nothing to record.
+		return fn(ctx)
 	}
 	p, done, err := o.pts.find(ctx, o, name)
 	switch {
@@ -96,7 +105,7 @@ func StepCodec[T any](ctx context.Context, c Codec, name string, fn func(ctx con
 // reads to learn which step to ask a downstream service about. It fails as
 // Step does.
 func (i *Info) RecoveryPoints(ctx context.Context) ([]RecoveryPoint, error) {
-	if i.owner.g.points == nil {
+	if i.oneCommit() || i.owner.g.points == nil {
 		return nil, ErrNoRecoveryPoints
 	}
 	return i.owner.pts.all(ctx, i.owner)
@@ -117,6 +126,8 @@ func SaveStepOutside(ctx context.Context, s Store, result any, save func(k Key, 
 	switch {
 	case !ok || i == nil:
 		return fmt.Errorf("%w: not called in a step's function", ErrInvalidStep)
+	case i.oneCommit():
+		return fmt.Errorf("%w: a step's outside save", errOneCommit)
 	case s != i.owner.g.store:
 		return ErrForeignStore
 	}
@@ -157,7 +168,7 @@ func stepOwner(ctx context.Context, name string) (*owner, error) {
 	if !ok {
 		return nil, fmt.Errorf("%w: no step %q", ErrNoOperation, name)
 	}
-	if i.owner.g.points == nil {
+	if i.owner != nil && i.owner.g.points == nil {
 		return nil, ErrNoRecoveryPoints
 	}
 	if len(name) == 0 || len(name) > MaxStepName {

@@ -107,6 +107,27 @@ type DeadlineBound interface {
 	EndsByDeadline(s Store) bool
 }
 
+// Transactor is implemented by a store that runs an operation in one
+// transaction of its own with its claim and its outcome (the postgres
+// package's OneCommit); a Guard made with one runs every operation so.
+// Nobody sees the record in flight; an operation that fails, returns keep
+// false, panics, or whose process dies leaves nothing behind.
+//
+// Transact claims req.Key in the transaction. A duplicate in flight is
+// waited for on the store's own lock for at most wait (negative: not at
+// all), then Transact fails with an error that matches ErrInFlight. A
+// completed record answers State Completed with its Response, one of
+// another fingerprint State Mismatch, both without running op. Otherwise
+// op runs, for attempt 1 with the claim's token and operation ID, on a
+// context that carries the transaction; when it returns keep and no error,
+// its response is stored and the transaction commits, and Transact answers
+// State Owner. op's error is returned as it is; the store's own errors wrap
+// ErrUnavailable.
+type Transactor interface {
+	Transact(ctx context.Context, req ClaimRequest, wait time.Duration,
+		op func(ctx context.Context, c Claim) (resp Response, keep bool, err error)) (Claim, error)
+}
+
 // Subscription delivers wake-ups for one record until it is closed.
 type Subscription interface {
 	// C receives a value after the record may have changed.
@@ -193,6 +214,9 @@ func CompleteOutside(ctx context.Context, s Store, resp Response, complete func(
 		return fmt.Errorf("%w to complete", ErrNoOperation)
 	}
 	o := i.owner
+	if o == nil {
+		return fmt.Errorf("%w: CompleteOutside", errOneCommit)
+	}
 	if s != o.g.store {
 		return ErrForeignStore
 	}
