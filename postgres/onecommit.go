@@ -1,0 +1,271 @@
+package postgres
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/idempotency-go/idempotency"
+	"github.com/idempotency-go/idempotency/internal/storeerr"
+	"github.com/idempotency-go/idempotency/internal/wire"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// OneCommit is the one-commit mode of a Store: an idempotency.Transactor
+// that claims a key, runs the operation and stores its outcome in one
+// transaction, so that the operation's own writes in that transaction
+// (TxFromContext) and its record commit together, with one commit, or
+// roll back together. A crash, a lost connection, an error or a panic
+// leaves nothing behind: no record in flight to recover, and the retry runs
+// the operation once. Use it when the operation's effects live in the same
+// database; an operation that acts outside it (a card charged at a
+// provider) needs the lease mode, the Store itself, whose record outlives
+// a crash.
+//
+// It shares the Store's table, so one deployment may use both modes, and
+// every other method is the Store's (Stats, Inspect, ListInFlight,
+// ListAbandoned, DeleteExpired, the operator command): a record of this
+// mode is never seen in flight, since it exists for others only once it is
+// committed completed. A claim of the lease mode on a key this mode holds
+// waits for its transaction on the row's lock, within the lease mode's
+// ClaimTimeout. A record of the lease mode in flight, abandoned or released
+// is not taken over here: Transact answers ErrInFlight, and the lease mode
+// (a retry through it, or a sweep) must settle it.
+//
+// The record is written completed from its insert, with its expiry, and
+// stays out of the index of records in flight; the completion only sets
+// its response, which no index covers, so it can stay on the page (HOT).
+type OneCommit struct {
+	*Store
+	insertSQL, readSQL, remakeSQL, completeSQL string
+}
+
+var (
+	_ idempotency.Store      = (*OneCommit)(nil)
+	_ idempotency.Transactor = (*OneCommit)(nil)
+)
+
+// OneCommit returns the one-commit mode of s, on s's pool and table.
+func (s *Store) OneCommit() *OneCommit {
+	t := newNames(s.opts.Table).Table
+	retention := `now() + $5 * interval '1 microsecond'`
+	return &OneCommit{
+		Store: s,
+		// Written completed, lease_until now(): out of the partial index of
+		// records in flight, and invisible to all until it commits.
+		insertSQL: `INSERT INTO ` + t + ` AS t (scope, key, fingerprint, state, attempt, operation_id, lease_until, expires_at)
+			VALUES ($1, $2, $3, 'completed', 1, $4, now(), ` + retention + `)
+			ON CONFLICT (scope, key) DO NOTHING RETURNING t.token`,
+		readSQL: `SELECT state, fingerprint, operation_id, response, expires_at > now() FROM ` + t + `
+			WHERE scope = $1 AND key = $2`,
+		// An expired row that DeleteExpired has not deleted yet counts as
+		// absent: it is made anew in place, under the row's lock.
+		remakeSQL: `UPDATE ` + t + ` t SET fingerprint = $3, state = 'completed', token = DEFAULT, attempt = 1,
+				operation_id = $4, lease_until = now(), response = NULL, points = NULL, waiters = false,
+				created_at = now(), expires_at = ` + retention + `
+			WHERE scope = $1 AND key = $2 AND expires_at <= now() RETURNING token`,
+		// Only response changes: no indexed column, so a HOT update.
+		completeSQL: `UPDATE ` + t + ` SET response = $3 WHERE scope = $1 AND key = $2 AND token = $4`,
+	}
+}
+
+type txKey struct{}
+
+// TxFromContext returns the transaction of the one-commit operation running
+// in ctx, for the operation's own reads and writes, which commit with its
+// record or not at all. The operation must neither commit nor roll it back.
+func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
+	tx, ok := ctx.Value(txKey{}).(pgx.Tx)
+	return tx, ok
+}
+
+// Transact implements idempotency.Transactor. The transaction runs at READ
+// COMMITTED, whatever the server's default: a duplicate's insert waits on
+// the owner's uncommitted row, and its next statement then reads the row
+// committed. Its idle_in_transaction_session_timeout is req.Lease, so the
+// server ends the transaction of an owner that stalls (a pause, a
+// partition) for a lease between statements, and that owner's commit
+// fails; its lock_timeout is wait, after which a duplicate gets ErrInFlight.
+// An operation that spends longer than the lease between two statements of
+// its transaction is ended so too.
+func (oc *OneCommit) Transact(ctx context.Context, req idempotency.ClaimRequest, wait time.Duration,
+	op func(ctx context.Context, c idempotency.Claim) (idempotency.Response, bool, error)) (idempotency.Claim, error) {
+	conn, err := oc.pool.Acquire(ctx)
+	if err != nil {
+		return idempotency.Claim{}, storeerr.Unavailable("postgres one-commit", err)
+	}
+	// A connection released inside a transaction, or broken, is closed by
+	// the pool rather than reused.
+	defer conn.Release()
+	tx, err := conn.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: beginSQL(req.Lease, wait)})
+	if err != nil {
+		return idempotency.Claim{}, storeerr.Unavailable("postgres one-commit begin", err)
+	}
+	ended := false
+	defer func() {
+		if !ended {
+			rollback(ctx, tx)
+		}
+	}()
+	c, err := oc.claim(ctx, tx, req)
+	if err != nil || c.State != idempotency.Owner {
+		return c, err
+	}
+	resp, keep, err := op(context.WithValue(ctx, txKey{}, tx), c)
+	if err != nil || !keep {
+		return c, err
+	}
+	ended = true
+	return c, oc.complete(ctx, conn, tx, req.Key, c.Token, resp)
+}
+
+// beginSQL begins a one-commit transaction: run by the simple protocol, it
+// is one round trip with its settings. Both are in whole milliseconds, at
+// least 1: 0 would turn them off.
+func beginSQL(lease, wait time.Duration) string {
+	ms := func(d time.Duration) int64 { return max(int64((d+time.Millisecond-1)/time.Millisecond), 1) }
+	idle := "0"
+	if lease > 0 {
+		idle = fmt.Sprint(ms(lease))
+	}
+	return fmt.Sprintf("BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL idle_in_transaction_session_timeout = %s; SET LOCAL lock_timeout = %d",
+		idle, ms(wait))
+}
+
+// rollback ends tx, even once ctx is done. A rollback that fails leaves the
+// connection in the transaction, and the pool closes it.
+func rollback(ctx context.Context, tx pgx.Tx) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	defer cancel()
+	_ = tx.Rollback(rctx)
+}
+
+// claim claims req.Key in tx, in one round trip: the insert of a new
+// record, then the read of the key's row, which is the insert's own row or,
+// after a conflict, the row committed by then.
+func (oc *OneCommit) claim(ctx context.Context, tx pgx.Tx, req idempotency.ClaimRequest) (idempotency.Claim, error) {
+	args := []any{req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID, req.Retention.Microseconds()}
+	b := &pgx.Batch{}
+	b.Queue(oc.insertSQL, args...)
+	b.Queue(oc.readSQL, req.Key.Scope, req.Key.Name)
+	br := tx.SendBatch(ctx, b)
+	var token int64
+	inserted := true
+	err := br.QueryRow().Scan(&token)
+	if errors.Is(err, pgx.ErrNoRows) {
+		inserted, err = false, nil
+	}
+	var r oneCommitRow
+	if err == nil {
+		err = br.QueryRow().Scan(&r.state, &r.fingerprint, &r.operationID, &r.response, &r.live)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	switch {
+	case lockTimedOut(err):
+		return idempotency.Claim{}, fmt.Errorf("%w: postgres one-commit: the key's transaction outlasted the wait: %w", idempotency.ErrInFlight, err)
+	case err != nil:
+		return idempotency.Claim{}, storeerr.Unavailable("postgres one-commit claim", err)
+	case inserted:
+		return owner(req, token), nil
+	case !r.live:
+		return oc.remake(ctx, tx, args, req)
+	}
+	return r.decide(req)
+}
+
+// owner is the claim of the record made for req with token.
+func owner(req idempotency.ClaimRequest, token int64) idempotency.Claim {
+	return idempotency.Claim{State: idempotency.Owner, OperationID: req.OperationID, Attempt: 1, Token: uint64(token)}
+}
+
+// remake makes the record anew in place of an expired row.
+func (oc *OneCommit) remake(ctx context.Context, tx pgx.Tx, args []any, req idempotency.ClaimRequest) (idempotency.Claim, error) {
+	var token int64
+	err := tx.QueryRow(ctx, oc.remakeSQL, args...).Scan(&token)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		// A claim of the lease mode made the record meanwhile.
+		return idempotency.Claim{}, fmt.Errorf("%w: postgres one-commit: the expired record was made anew meanwhile", idempotency.ErrInFlight)
+	case lockTimedOut(err):
+		return idempotency.Claim{}, fmt.Errorf("%w: postgres one-commit: %w", idempotency.ErrInFlight, err)
+	case err != nil:
+		return idempotency.Claim{}, storeerr.Unavailable("postgres one-commit claim", err)
+	}
+	return owner(req, token), nil
+}
+
+// oneCommitRow is the committed row of a key a one-commit claim found.
+type oneCommitRow struct {
+	state       string
+	fingerprint []byte
+	operationID string
+	response    []byte
+	live        bool // not expired
+}
+
+// decide answers req from r, a live row of another request or attempt: a
+// replay, a mismatch, or, for a record of the lease mode not completed,
+// ErrInFlight. A row no statement writes fails as readRow.decide fails it.
+func (r oneCommitRow) decide(req idempotency.ClaimRequest) (idempotency.Claim, error) {
+	var err error
+	switch {
+	case !knownState(r.state):
+		err = fmt.Errorf("unknown record state %q", r.state)
+	case string(r.fingerprint) != string(req.Fingerprint[:]):
+		return idempotency.Claim{State: idempotency.Mismatch}, nil
+	case r.state != "completed":
+		return idempotency.Claim{}, fmt.Errorf("%w: postgres one-commit: the key's record is %s in the lease mode", idempotency.ErrInFlight, r.state)
+	case r.operationID == "":
+		err = errors.New("completed record of no operation ID")
+	default:
+		c := idempotency.Claim{State: idempotency.Completed, OperationID: r.operationID}
+		c.Response.Status, c.Response.Header, c.Response.Body, err = wire.ParseResponse(r.response)
+		if err == nil {
+			return c, nil
+		}
+	}
+	return idempotency.Claim{}, storeerr.Unavailable("postgres one-commit claim", err)
+}
+
+// complete stores resp in the record of k made with token and commits tx,
+// in one round trip. A commit the server refuses (the transaction was ended
+// for its idleness, or failed) stores nothing.
+func (oc *OneCommit) complete(ctx context.Context, conn *pgxpool.Conn, tx pgx.Tx, k idempotency.Key, token uint64, resp idempotency.Response) error {
+	b := &pgx.Batch{}
+	b.Queue(oc.completeSQL, k.Scope, k.Name, wire.AppendResponse(nil, resp.Status, resp.Header, resp.Body), int64(token))
+	b.Queue("COMMIT")
+	br := tx.SendBatch(ctx, b)
+	tag, err := br.Exec()
+	if err == nil && tag.RowsAffected() != 1 {
+		err = fmt.Errorf("the completion found %d rows", tag.RowsAffected())
+	}
+	var commit pgconn.CommandTag
+	if err == nil {
+		commit, err = br.Exec()
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil && commit.String() != "COMMIT" {
+		err = fmt.Errorf("the transaction ended with %s", commit)
+	}
+	if err != nil {
+		// Ended or not, the connection is left to the pool to close.
+		if conn.Conn().PgConn().TxStatus() != 'I' {
+			rollback(ctx, tx)
+		}
+		return storeerr.Unavailable("postgres one-commit complete", err)
+	}
+	return nil
+}
+
+// lockTimedOut reports that err is the lock_timeout's: lock_not_available.
+func lockTimedOut(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "55P03"
+}
