@@ -36,6 +36,10 @@ func budgets(rep *report) []check {
 		{pgNewOp, pgTwoStatements, 0.9},
 		{at1(pgReplayOp), at1(pgOneSelect), 0.8},
 		{pgReplayOp, pgOneSelect, 0.8},
+		{at1(pgOneCommit), at1(pgOneTx), 0.85},
+		{pgOneCommit, pgOneTx, 0.85},
+		{at1(pgOneReplay), at1(pgOneSelect), 0.8},
+		{pgOneReplay, pgOneSelect, 0.8},
 	} {
 		what := fmt.Sprintf("%s ≥ %g × %s", b.row, b.want, b.floor)
 		r, f := rep.row(b.row), rep.row(b.floor)

@@ -142,6 +142,7 @@ type env struct {
 	otelGuard         *idempotency.Guard // redisGuard's store, with the OpenTelemetry observer
 	sealedGuard       *idempotency.Guard // redisGuard's store, sealed (seal.Store)
 	pgGuard           *idempotency.Guard // nil without PostgreSQL
+	pgOneCommitGuard  *idempotency.Guard // pgGuard's table in the one-commit mode; nil without PostgreSQL
 	pgNaive           *naive             // the PostgreSQL floors' table; nil without PostgreSQL
 	pgSkip, pgVersion string
 
@@ -325,6 +326,7 @@ func (e *env) setupPostgres(ctx context.Context, cfg config) {
 			}
 		}
 		e.pgGuard = idempotency.New(s, idempotency.Options{Retention: retention})
+		e.pgOneCommitGuard = idempotency.New(s.OneCommit(), idempotency.Options{Retention: retention})
 		e.pgNaive = &naive{pool: pool}
 		return nil
 	}()

@@ -150,7 +150,7 @@ func TestRun(t *testing.T) {
 	assert.Regexp(t, `\n +payment-intent\.json +201 +40 % +\d+ +\d+ % +\d+ +\d+ +\d+ *\n`, report)
 	assert.Regexp(t, `\n +weighted mean +100 % +\d+ +\d+ % +\d+ +\d+ +\d+ *\n`, report)
 	budgets := regexp.MustCompile(`(?m)^  (PASS|MISS)  `).FindAllString(report, -1)
-	assert.Len(t, budgets, 10, "judged budgets in:\n%s", report)
+	assert.Len(t, budgets, 14, "judged budgets in:\n%s", report)
 	assert.Regexp(t, `(?m)^  redis/http-new-operation +\d+\.\d allocs/op, baseline/http-two-roundtrips +\d+\.\d \([+-]\d+\.\d\)$`, report)
 	assert.Contains(t, report, "PostgreSQL 1")
 	assert.NotContains(t, report, "FLUSHALL")
@@ -283,11 +283,15 @@ func TestBudgets(t *testing.T) {
 		"postgres/new-operation ≥ 0.9 × baseline/postgres-two-statements":     "PASS",
 		"postgres/replay@1 ≥ 0.8 × baseline/postgres-select@1":                "n/a",
 		"postgres/replay ≥ 0.8 × baseline/postgres-select":                    "MISS",
+		"postgres/one-commit@1 ≥ 0.85 × baseline/postgres-one-transaction@1":  "n/a",
+		"postgres/one-commit ≥ 0.85 × baseline/postgres-one-transaction":      "n/a",
+		"postgres/one-commit-replay@1 ≥ 0.8 × baseline/postgres-select@1":     "n/a",
+		"postgres/one-commit-replay ≥ 0.8 × baseline/postgres-select":         "n/a",
 		"Redis memory per 200-byte record ≤ body + 200 bytes":                 "PASS",
 	}, got)
 
 	rep.memory[0].Usage = 401
-	assert.Equal(t, "MISS", budgets(rep)[9].verdict)
+	assert.Equal(t, "MISS", budgets(rep)[13].verdict)
 	assert.Equal(t, "0.90 ×  (0.79–0.92; 950 / 1200 ops/s)", budgets(rep)[0].got)
 }
 

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idempotency-go/idempotency"
@@ -24,6 +25,9 @@ const (
 	pgHOT           = "baseline/postgres-hot"
 	pgOneSelect     = "baseline/postgres-select"
 	pgReplayOp      = "postgres/replay"
+	pgOneTx         = "baseline/postgres-one-transaction"
+	pgOneCommit     = "postgres/one-commit"
+	pgOneReplay     = "postgres/one-commit-replay"
 )
 
 const naiveTable = `CREATE TABLE IF NOT EXISTS bench_naive_keys (
@@ -123,6 +127,38 @@ func (n naive) hotNewOperation(ctx context.Context, key string) error {
 	_, err = n.pool.Exec(ctx, `UPDATE bench_hot_keys SET state = 'completed', status_code = $3, response_body = $4,
 		expires_at = now() + interval '1 day' WHERE key = $1 AND token = $2`, key, token, created.Status, created.Body)
 	return err
+}
+
+// oneTransaction is the floor of postgres/one-commit: newOperation's two
+// statements in one transaction, pipelined, BEGIN with the INSERT and the
+// UPDATE with COMMIT: two round trips and one commit.
+func (n naive) oneTransaction(ctx context.Context, key string) error {
+	conn, err := n.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	// A connection left in the transaction by a failure is closed by the pool.
+	defer conn.Release()
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	b.Queue(`INSERT INTO bench_naive_keys (key, request_hash) VALUES ($1, $2) ON CONFLICT (key) DO NOTHING RETURNING key`, key, fp[:])
+	br := conn.SendBatch(ctx, b)
+	_, err = br.Exec()
+	var claimed string
+	if err == nil {
+		err = br.QueryRow().Scan(&claimed)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return err
+	}
+	b = &pgx.Batch{}
+	b.Queue(`UPDATE bench_naive_keys SET status_code = $2, response_body = $3, completed = true
+		WHERE key = $1`, key, created.Status, created.Body)
+	b.Queue("COMMIT")
+	return conn.SendBatch(ctx, b).Close()
 }
 
 // replay is the floor of a replay: one SELECT of a completed key.
