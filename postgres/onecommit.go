@@ -85,12 +85,17 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 // Transact implements idempotency.Transactor. The transaction runs at READ
 // COMMITTED, whatever the server's default: a duplicate's insert waits on
 // the owner's uncommitted row, and its next statement then reads the row
-// committed. Its idle_in_transaction_session_timeout is req.Lease, so the
-// server ends the transaction of an owner that stalls (a pause, a
-// partition) for a lease between statements, and that owner's commit
-// fails; its lock_timeout is wait, after which a duplicate gets ErrInFlight.
-// An operation that spends longer than the lease between two statements of
-// its transaction is ended so too.
+// committed. Its lock_timeout is wait, after which a duplicate gets
+// ErrInFlight. Once the claim made the caller the owner, its
+// idle_in_transaction_session_timeout is req.Lease, so the server ends the
+// transaction of an owner that stalls (a pause, a partition) for a lease
+// between statements, and that owner's commit fails. An operation that
+// spends longer than the lease between two statements of its transaction
+// is ended so too.
+//
+// A replay or a mismatch takes two round trips (the claim, then ROLLBACK);
+// a new operation three besides its own statements (the claim, the
+// setting that hands it its pgx.Tx, the answer with COMMIT).
 func (oc *OneCommit) Transact(ctx context.Context, req idempotency.ClaimRequest, wait time.Duration,
 	op func(ctx context.Context, c idempotency.Claim) (idempotency.Response, bool, error)) (idempotency.Claim, error) {
 	conn, err := oc.pool.Acquire(ctx)
@@ -100,19 +105,19 @@ func (oc *OneCommit) Transact(ctx context.Context, req idempotency.ClaimRequest,
 	// A connection released inside a transaction, or broken, is closed by
 	// the pool rather than reused.
 	defer conn.Release()
-	tx, err := conn.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: beginSQL(req.Lease, wait)})
-	if err != nil {
-		return idempotency.Claim{}, storeerr.Unavailable("postgres one-commit begin", err)
-	}
 	ended := false
 	defer func() {
-		if !ended {
-			rollback(ctx, tx)
+		if !ended && conn.Conn().PgConn().TxStatus() != 'I' {
+			rollback(ctx, conn.Conn())
 		}
 	}()
-	c, err := oc.claim(ctx, tx, req)
+	c, err := oc.claim(ctx, conn.Conn(), req, wait)
 	if err != nil || c.State != idempotency.Owner {
 		return c, err
+	}
+	tx, err := conn.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: idleSQL(req.Lease)})
+	if err != nil {
+		return idempotency.Claim{}, storeerr.Unavailable("postgres one-commit", err)
 	}
 	resp, keep, err := op(context.WithValue(ctx, txKey{}, tx), c)
 	if err != nil || !keep {
@@ -122,39 +127,52 @@ func (oc *OneCommit) Transact(ctx context.Context, req idempotency.ClaimRequest,
 	return c, oc.complete(ctx, conn, tx, req.Key, c.Token, resp)
 }
 
-// beginSQL begins a one-commit transaction: run by the simple protocol, it
-// is one round trip with its settings. Both are in whole milliseconds, at
-// least 1: 0 would turn them off.
-func beginSQL(lease, wait time.Duration) string {
-	ms := func(d time.Duration) int64 { return max(int64((d+time.Millisecond-1)/time.Millisecond), 1) }
+// millis is d in whole milliseconds, at least 1, as a setting: 0 would
+// turn lock_timeout or idle_in_transaction_session_timeout off.
+func millis(d time.Duration) string {
+	return fmt.Sprint(max(int64((d+time.Millisecond-1)/time.Millisecond), 1))
+}
+
+// idleSQL sets the owner's transaction's idle_in_transaction_session_timeout
+// to lease. Run as the BeginQuery of the pgx.Tx handed to the operation (the
+// transaction is already open), it is the round trip that makes that Tx.
+func idleSQL(lease time.Duration) string {
 	idle := "0"
 	if lease > 0 {
-		idle = fmt.Sprint(ms(lease))
+		idle = millis(lease)
 	}
-	return fmt.Sprintf("BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL idle_in_transaction_session_timeout = %s; SET LOCAL lock_timeout = %d",
-		idle, ms(wait))
+	return "SET LOCAL idle_in_transaction_session_timeout = " + idle
 }
 
-// rollback ends tx, even once ctx is done. A rollback that fails leaves the
-// connection in the transaction, and the pool closes it.
-func rollback(ctx context.Context, tx pgx.Tx) {
+// rollback ends conn's transaction, even once ctx is done. A rollback that
+// fails leaves the connection in the transaction, and the pool closes it.
+func rollback(ctx context.Context, conn *pgx.Conn) {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
-	_ = tx.Rollback(rctx)
+	_, _ = conn.Exec(rctx, "ROLLBACK")
 }
 
-// claim claims req.Key in tx, in one round trip: the insert of a new
-// record, then the read of the key's row, which is the insert's own row or,
-// after a conflict, the row committed by then.
-func (oc *OneCommit) claim(ctx context.Context, tx pgx.Tx, req idempotency.ClaimRequest) (idempotency.Claim, error) {
+// claim begins a transaction on conn and claims req.Key in it, waiting at
+// most wait, in one round trip: BEGIN, the lock_timeout, the insert of a
+// new record, then the read of the key's row, which is the insert's own row
+// or, after a conflict, the row committed by then.
+func (oc *OneCommit) claim(ctx context.Context, conn *pgx.Conn, req idempotency.ClaimRequest, wait time.Duration) (idempotency.Claim, error) {
 	args := []any{req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID, req.Retention.Microseconds()}
 	b := &pgx.Batch{}
+	b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
+	b.Queue("SELECT set_config('lock_timeout', $1, true)", millis(wait))
 	b.Queue(oc.insertSQL, args...)
 	b.Queue(oc.readSQL, req.Key.Scope, req.Key.Name)
-	br := tx.SendBatch(ctx, b)
+	br := conn.SendBatch(ctx, b)
+	_, err := br.Exec()
+	if err == nil {
+		_, err = br.Exec()
+	}
 	var token int64
 	inserted := true
-	err := br.QueryRow().Scan(&token)
+	if err == nil {
+		err = br.QueryRow().Scan(&token)
+	}
 	if errors.Is(err, pgx.ErrNoRows) {
 		inserted, err = false, nil
 	}
@@ -173,7 +191,7 @@ func (oc *OneCommit) claim(ctx context.Context, tx pgx.Tx, req idempotency.Claim
 	case inserted:
 		return owner(req, token), nil
 	case !r.live:
-		return oc.remake(ctx, tx, args, req)
+		return oc.remake(ctx, conn, args, req)
 	}
 	return r.decide(req)
 }
@@ -184,9 +202,9 @@ func owner(req idempotency.ClaimRequest, token int64) idempotency.Claim {
 }
 
 // remake makes the record anew in place of an expired row.
-func (oc *OneCommit) remake(ctx context.Context, tx pgx.Tx, args []any, req idempotency.ClaimRequest) (idempotency.Claim, error) {
+func (oc *OneCommit) remake(ctx context.Context, conn *pgx.Conn, args []any, req idempotency.ClaimRequest) (idempotency.Claim, error) {
 	var token int64
-	err := tx.QueryRow(ctx, oc.remakeSQL, args...).Scan(&token)
+	err := conn.QueryRow(ctx, oc.remakeSQL, args...).Scan(&token)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		// A claim of the lease mode made the record meanwhile.
@@ -257,7 +275,7 @@ func (oc *OneCommit) complete(ctx context.Context, conn *pgxpool.Conn, tx pgx.Tx
 	if err != nil {
 		// Ended or not, the connection is left to the pool to close.
 		if conn.Conn().PgConn().TxStatus() != 'I' {
-			rollback(ctx, tx)
+			rollback(ctx, conn.Conn())
 		}
 		return storeerr.Unavailable("postgres one-commit complete", err)
 	}

@@ -47,6 +47,7 @@ func TestOneCommit(t *testing.T) {
 		{"BothKinds", testOneCommitBothKinds},
 		{"Middleware", testOneCommitMiddleware},
 		{"OwnerlessInfo", testOneCommitOwnerlessInfo},
+		{"ExpiredRecordMadeAnew", testOneCommitExpiredRecordMadeAnew},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) { c.run(t, f, pg.DSN) })
@@ -529,4 +530,31 @@ func testOneCommitOwnerlessInfo(t *testing.T, f *fixture, _ string) {
 		return idempotency.Response{Status: http.StatusOK}, nil
 	})
 	require.NoError(t, err)
+}
+
+// A record past its retention that DeleteExpired has not deleted yet counts
+// as absent: the next request, of any fingerprint, makes it anew, with a
+// greater token.
+func testOneCommitExpiredRecordMadeAnew(t *testing.T, f *fixture, _ string) {
+	s, o := f.store(t)
+	oc := s.OneCommit()
+	keep := func(context.Context, idempotency.Claim) (idempotency.Response, bool, error) {
+		return idempotency.Response{Status: http.StatusOK}, true, nil
+	}
+	req := request("expired", longLease)
+	req.Retention = time.Millisecond
+	first, err := oc.Transact(t.Context(), req, time.Second, keep)
+	require.NoError(t, err)
+	require.Equal(t, idempotency.Owner, first.State)
+	time.Sleep(20 * time.Millisecond)
+	req.Fingerprint, req.OperationID, req.Retention = fp("another"), "op_another", longRetention
+	again, err := oc.Transact(t.Context(), req, time.Second, keep)
+	require.NoError(t, err)
+	require.Equal(t, idempotency.Owner, again.State)
+	assert.Greater(t, again.Token, first.Token)
+	assert.Equal(t, 1, records(t, f, o))
+	replay, err := oc.Transact(t.Context(), req, time.Second, keep)
+	require.NoError(t, err)
+	assert.Equal(t, idempotency.Completed, replay.State)
+	assert.Equal(t, "op_another", replay.OperationID)
 }
