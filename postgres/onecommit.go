@@ -111,7 +111,14 @@ func (oc *OneCommit) Transact(ctx context.Context, req idempotency.ClaimRequest,
 			rollback(ctx, conn.Conn())
 		}
 	}()
-	c, err := oc.claim(ctx, conn.Conn(), req, wait)
+	// The claim's round trip and the commit's are bounded by their
+	// context besides the server's settings, so that a silent connection
+	// fails them (ErrUnavailable) rather than hold the caller: the claim
+	// by the wait and a lease, the commit by a lease.
+	bound := max(req.Lease, time.Second)
+	cctx, cancel := context.WithTimeout(ctx, max(wait, 0)+bound)
+	c, err := oc.claim(cctx, conn.Conn(), req, wait)
+	cancel()
 	if err != nil || c.State != idempotency.Owner {
 		return c, err
 	}
@@ -124,7 +131,9 @@ func (oc *OneCommit) Transact(ctx context.Context, req idempotency.ClaimRequest,
 		return c, err
 	}
 	ended = true
-	return c, oc.complete(ctx, conn, tx, req.Key, c.Token, resp)
+	cctx, cancel = context.WithTimeout(ctx, bound)
+	defer cancel()
+	return c, oc.complete(cctx, conn, tx, req.Key, c.Token, resp)
 }
 
 // millis is d in whole milliseconds, at least 1, as a setting: 0 would
