@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 )
 
 // The one-commit mode. A store that is a Transactor (the postgres
@@ -26,9 +27,27 @@ import (
 var errOneCommit = errors.New("idempotency: not in the one-commit mode, whose store completes the record in its own transaction")
 
 // transact runs fn through t in one transaction (see Transactor). Its
-// answers map as a claim's do: Completed is a replay, Mismatch ErrMismatch,
+// answers map as a claim's do: Completed is a replay, Mismatch ErrMismatch
+// once no other fingerprint of the request matches (see Guard.rematch),
 // Owner the response fn returned, stored when fn kept it.
 func (g *Guard) transact(ctx context.Context, t Transactor, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error), cs *callState) (Result, error) {
+	res, err := g.transactOnce(ctx, t, k, fp, fn, cs)
+	if errors.Is(err, ErrMismatch) && cs.others != nil {
+		others := cs.others
+		cs.others = nil
+		for _, other := range others.otherFingerprints() {
+			if res, err = g.transactOnce(ctx, t, k, other, fn, cs); !errors.Is(err, ErrMismatch) {
+				break
+			}
+		}
+	}
+	return res, err
+}
+
+// transactOnce is transact under the one fingerprint fp. A record it made
+// for a key older than the retention is not run (see refuseExpired): the
+// transaction rolls back, leaving nothing.
+func (g *Guard) transactOnce(ctx context.Context, t Transactor, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error), cs *callState) (Result, error) {
 	req := ClaimRequest{Key: k, Fingerprint: fp, OperationID: newOperationID(), Lease: g.opts.Lease, Retention: g.opts.Retention}
 	if !g.opts.CancelWithCaller {
 		// As for an owner (see Guard.own): a caller that goes away does not
@@ -38,6 +57,10 @@ func (g *Guard) transact(ctx context.Context, t Transactor, k Key, fp Fingerprin
 	}
 	var resp Response
 	op := func(ctx context.Context, c Claim) (Response, bool, error) {
+		if age := time.Since(cs.keyMade); !cs.keyMade.IsZero() && age > g.opts.Retention {
+			cs.decided = OutcomeRejected
+			return Response{}, false, fmt.Errorf("%w: made %v ago, retention %v", ErrKeyExpired, age.Round(time.Second), g.opts.Retention)
+		}
 		cs.owned, cs.attempt = true, c.Attempt
 		var err error
 		var d Disposition

@@ -126,3 +126,39 @@ func TestOneCommitOwnerless(t *testing.T) {
 	assert.Equal(t, http.StatusServiceUnavailable, w.Code, w.Body.String())
 	assert.Empty(t, s.done[idempotency.Key{Name: "big"}], "nothing stored")
 }
+
+// The middleware's rules that judge a claim hold in the one-commit mode
+// too: a key older than the retention with no record is refused (400
+// key-expired, nothing run, nothing kept), and a retry whose record was made
+// under OtherFingerprintHeaders replays.
+func TestOneCommitMiddlewareRules(t *testing.T) {
+	s := newTransactor()
+	g := idempotency.New(s, idempotency.Options{Retention: time.Hour})
+	runs := 0
+	handler := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { runs++; w.WriteHeader(http.StatusCreated) })
+	made := map[string]time.Time{"late": time.Now().Add(-2 * time.Hour)}
+	keyTime := func(_ *http.Request, key string) (time.Time, bool) { t, ok := made[key]; return t, ok }
+	withHeader := g.Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant, KeyTime: keyTime,
+		FingerprintHeaders: []string{"Stripe-Account"}, OtherFingerprintHeaders: [][]string{nil}})(handler)
+	without := g.Middleware(idempotency.MiddlewareOptions{Scope: idempotency.SingleTenant})(handler)
+	send := func(h http.Handler, key string) *httptest.ResponseRecorder {
+		req := httptest.NewRequest(http.MethodPost, "/charges", strings.NewReader(`{"amount":1}`))
+		req.Header.Set("Idempotency-Key", key)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Stripe-Account", "acct_1")
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		return rec
+	}
+	rec := send(withHeader, "late")
+	assert.Equal(t, http.StatusBadRequest, rec.Code)
+	assert.Contains(t, rec.Body.String(), `"code":"key-expired"`)
+	assert.Zero(t, runs)
+	assert.Empty(t, s.done, "what the refused request left")
+
+	require.Equal(t, http.StatusCreated, send(without, "crossing").Code)
+	rec = send(withHeader, "crossing")
+	assert.Equal(t, http.StatusCreated, rec.Code)
+	assert.Equal(t, "true", rec.Header().Get(idempotency.HeaderReplayed))
+	assert.Equal(t, 1, runs)
+}
