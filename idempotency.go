@@ -449,16 +449,26 @@ func (g *Guard) do(ctx context.Context, k Key, fp Fingerprint, fn func(ctx conte
 // gone, so the operation may have run. The new record is given back as it
 // was found: absent.
 func (g *Guard) refuseExpired(ctx context.Context, k Key, c Claim, cs *callState) error {
-	if cs.keyMade.IsZero() || c.Attempt != 1 {
+	if c.Attempt != 1 {
 		return nil
 	}
+	err := g.expiredKey(cs)
+	if err != nil {
+		bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), g.opts.Lease)
+		defer cancel()
+		_ = giveBack(bctx, g.store, k, c) // a record left behind is taken over after its lease
+	}
+	return err
+}
+
+// expiredKey is the one rule for a key's age: a key the transport says was
+// made longer ago than the retention is refused (ErrKeyExpired), and the
+// call is counted as rejected; nil for any other, or one of unknown age.
+func (g *Guard) expiredKey(cs *callState) error {
 	age := time.Since(cs.keyMade)
-	if age <= g.opts.Retention {
+	if cs.keyMade.IsZero() || age <= g.opts.Retention {
 		return nil
 	}
-	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), g.opts.Lease)
-	defer cancel()
-	_ = giveBack(bctx, g.store, k, c) // a record left behind is taken over after its lease
 	cs.decided = OutcomeRejected
 	return fmt.Errorf("%w: made %v ago, retention %v", ErrKeyExpired, age.Round(time.Second), g.opts.Retention)
 }
@@ -496,18 +506,29 @@ type rematcher interface {
 // that made the record is matched by the rules it was made with. Only a
 // request no rules match fails with ErrMismatch.
 func (g *Guard) rematch(ctx context.Context, k Key, c Claim, sent time.Time, cs *callState) (Claim, time.Time, error) {
+	err := tryOthers(cs, func(fp Fingerprint) (err error) {
+		c, sent, err = g.claim(ctx, k, fp, cs)
+		return err
+	})
+	return c, sent, err
+}
+
+// tryOthers calls try with each of the request's other fingerprints
+// (cs.others), after a try with its own found a record of another request,
+// until one finds none: its error, or ErrMismatch when every one did. The
+// tries answer for themselves: they rematch no further.
+func tryOthers(cs *callState, try func(fp Fingerprint) error) error {
 	others := cs.others
+	cs.others = nil
 	if others == nil {
-		return c, sent, ErrMismatch
+		return ErrMismatch
 	}
-	cs.others = nil // each claim below answers for itself
 	for _, fp := range others.otherFingerprints() {
-		c, sent, err := g.claim(ctx, k, fp, cs)
-		if !errors.Is(err, ErrMismatch) {
-			return c, sent, err
+		if err := try(fp); !errors.Is(err, ErrMismatch) {
+			return err
 		}
 	}
-	return c, sent, ErrMismatch
+	return ErrMismatch
 }
 
 // claimOnce makes one claim, bounded by Options.ClaimTimeout.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 )
 
 // The one-commit mode. A store that is a Transactor (the postgres
@@ -32,14 +31,11 @@ var errOneCommit = errors.New("idempotency: not in the one-commit mode, whose st
 // Owner the response fn returned, stored when fn kept it.
 func (g *Guard) transact(ctx context.Context, t Transactor, k Key, fp Fingerprint, fn func(ctx context.Context) (Response, error), cs *callState) (Result, error) {
 	res, err := g.transactOnce(ctx, t, k, fp, fn, cs)
-	if errors.Is(err, ErrMismatch) && cs.others != nil {
-		others := cs.others
-		cs.others = nil
-		for _, other := range others.otherFingerprints() {
-			if res, err = g.transactOnce(ctx, t, k, other, fn, cs); !errors.Is(err, ErrMismatch) {
-				break
-			}
-		}
+	if errors.Is(err, ErrMismatch) {
+		err = tryOthers(cs, func(fp Fingerprint) (err error) {
+			res, err = g.transactOnce(ctx, t, k, fp, fn, cs)
+			return err
+		})
 	}
 	return res, err
 }
@@ -57,9 +53,8 @@ func (g *Guard) transactOnce(ctx context.Context, t Transactor, k Key, fp Finger
 	}
 	var resp Response
 	op := func(ctx context.Context, c Claim) (Response, bool, error) {
-		if age := time.Since(cs.keyMade); !cs.keyMade.IsZero() && age > g.opts.Retention {
-			cs.decided = OutcomeRejected
-			return Response{}, false, fmt.Errorf("%w: made %v ago, retention %v", ErrKeyExpired, age.Round(time.Second), g.opts.Retention)
+		if err := g.expiredKey(cs); err != nil {
+			return Response{}, false, err
 		}
 		cs.owned, cs.attempt = true, c.Attempt
 		var err error
@@ -90,24 +85,9 @@ func (g *Guard) transactOnce(ctx context.Context, t Transactor, k Key, fp Finger
 // disposition. A panic goes on, and the store rolls back.
 func (g *Guard) runOneCommit(ctx context.Context, k Key, c Claim, fn func(ctx context.Context) (Response, error)) (Response, Disposition, error) {
 	info := &Info{OperationID: c.OperationID, Attempt: c.Attempt, Token: c.Token}
-	fctx := context.WithValue(ctx, infoKey{}, info)
-	if d := g.opts.OperationTimeout; d > 0 {
-		var cancel context.CancelFunc
-		fctx, cancel = context.WithTimeout(fctx, d)
-		defer cancel()
-	}
 	g.owners.Add(1)
 	defer g.owners.Add(-1)
-	fctx, endRun := g.startPhase(fctx, PhaseRun, PhaseStart{Scope: k.Scope, Attempt: c.Attempt, Token: c.Token})
-	returned := false
-	defer func() {
-		if !returned {
-			endRun(errPanicked)
-		}
-	}()
-	resp, err := fn(fctx)
-	endRun(err)
-	returned = true
+	resp, err := g.runPhase(ctx, k, c, info, fn)
 	if err != nil {
 		return resp, Release, err
 	}

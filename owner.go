@@ -200,20 +200,7 @@ func (o *owner) call(f func(ctx context.Context) (Response, error), onPanic Disp
 			_ = o.settle(Response{}, onPanic)
 		}
 	}()
-	fctx := context.WithValue(o.ctx, infoKey{}, info)
-	if d := o.g.opts.OperationTimeout; d > 0 {
-		var cancel context.CancelFunc
-		fctx, cancel = context.WithTimeout(fctx, d)
-		defer cancel()
-	}
-	fctx, endRun := o.g.startPhase(fctx, PhaseRun, PhaseStart{Scope: o.k.Scope, Attempt: c.Attempt, Token: c.Token})
-	defer func() {
-		if !returned {
-			endRun(errPanicked)
-		}
-	}()
-	resp, err := f(fctx)
-	endRun(err)
+	resp, err := o.g.runPhase(o.ctx, o.k, c, info, f)
 	returned = true
 	if info.settled {
 		return resp, Settled, err
@@ -223,6 +210,30 @@ func (o *owner) call(f func(ctx context.Context) (Response, error), onPanic Disp
 	}
 	resp, d := info.outcome(resp)
 	return resp, d, nil
+}
+
+// runPhase runs f for claim c of k on ctx with info in it, under
+// Options.OperationTimeout, as the call's PhaseRun; a panic is reported as
+// the phase's end and goes on. The one way an operation is run, whether
+// under a lease or in a store's transaction.
+func (g *Guard) runPhase(ctx context.Context, k Key, c Claim, info *Info, f func(ctx context.Context) (Response, error)) (Response, error) {
+	fctx := context.WithValue(ctx, infoKey{}, info)
+	if d := g.opts.OperationTimeout; d > 0 {
+		var cancel context.CancelFunc
+		fctx, cancel = context.WithTimeout(fctx, d)
+		defer cancel()
+	}
+	fctx, endRun := g.startPhase(fctx, PhaseRun, PhaseStart{Scope: k.Scope, Attempt: c.Attempt, Token: c.Token})
+	returned := false
+	defer func() {
+		if !returned {
+			endRun(errPanicked)
+		}
+	}()
+	resp, err := f(fctx)
+	endRun(err)
+	returned = true
+	return resp, err
 }
 
 // settle ends the lease and applies d to the record, unless the lease was
