@@ -51,13 +51,16 @@ var (
 // OneCommit returns the one-commit mode of s, on s's pool and table.
 func (s *Store) OneCommit() *OneCommit {
 	t := newNames(s.opts.Table).Table
-	retention := `now() + $5 * interval '1 microsecond'`
+	retention := `now() + $5::bigint * interval '1 microsecond'`
+	// The settings of the transaction, $6 and $7, are made before a row is
+	// written: a lock it then waits for is bounded by them.
+	settings := `(SELECT set_config('lock_timeout', $6, true), set_config('idle_in_transaction_session_timeout', $7, true)) settings`
 	return &OneCommit{
 		Store: s,
 		// Written completed, lease_until now(): out of the partial index of
 		// records in flight, and invisible to all until it commits.
 		insertSQL: `INSERT INTO ` + t + ` AS t (scope, key, fingerprint, state, attempt, operation_id, lease_until, expires_at)
-			VALUES ($1, $2, $3, 'completed', 1, $4, now(), ` + retention + `)
+			SELECT $1::text, $2::text, $3::bytea, 'completed', 1, $4::text, now(), ` + retention + ` FROM ` + settings + `
 			ON CONFLICT (scope, key) DO NOTHING RETURNING t.token`,
 		readSQL: `SELECT state, fingerprint, operation_id, response, expires_at > now() FROM ` + t + `
 			WHERE scope = $1 AND key = $2`,
@@ -66,6 +69,7 @@ func (s *Store) OneCommit() *OneCommit {
 		remakeSQL: `UPDATE ` + t + ` t SET fingerprint = $3, state = 'completed', token = DEFAULT, attempt = 1,
 				operation_id = $4, lease_until = now(), response = NULL, points = NULL, waiters = false,
 				created_at = now(), expires_at = ` + retention + `
+			FROM ` + settings + `
 			WHERE scope = $1 AND key = $2 AND expires_at <= now() RETURNING token`,
 		// Only response changes: no indexed column, so a HOT update.
 		completeSQL: `UPDATE ` + t + ` SET response = $3 WHERE scope = $1 AND key = $2 AND token = $4`,
@@ -76,7 +80,9 @@ type txKey struct{}
 
 // TxFromContext returns the transaction of the one-commit operation running
 // in ctx, for the operation's own reads and writes, which commit with its
-// record or not at all. The operation must neither commit nor roll it back.
+// record or not at all. Its Commit and Rollback fail: the store ends it,
+// and an operation rolls it back by returning an error. Begin makes a
+// savepoint, which the operation may commit or roll back.
 func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 	tx, ok := ctx.Value(txKey{}).(pgx.Tx)
 	return tx, ok
@@ -86,16 +92,15 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 // COMMITTED, whatever the server's default: a duplicate's insert waits on
 // the owner's uncommitted row, and its next statement then reads the row
 // committed. Its lock_timeout is wait, after which a duplicate gets
-// ErrInFlight. Once the claim made the caller the owner, its
-// idle_in_transaction_session_timeout is req.Lease, so the server ends the
-// transaction of an owner that stalls (a pause, a partition) for a lease
-// between statements, and that owner's commit fails. An operation that
-// spends longer than the lease between two statements of its transaction
-// is ended so too.
+// ErrInFlight. Its idle_in_transaction_session_timeout is req.Lease, so the
+// server ends the transaction of an owner that stalls (a pause, a
+// partition) for a lease between statements, and that owner's commit
+// fails. An operation that spends longer than the lease between two
+// statements of its transaction is ended so too.
 //
-// A replay or a mismatch takes two round trips (the claim, then ROLLBACK);
-// a new operation three besides its own statements (the claim, the
-// setting that hands it its pgx.Tx, the answer with COMMIT).
+// A new operation takes two round trips besides its own statements (the
+// claim, the answer with COMMIT); a replay or a mismatch two (the claim,
+// then the read of the committed record with ROLLBACK).
 func (oc *OneCommit) Transact(ctx context.Context, req idempotency.ClaimRequest, wait time.Duration,
 	op func(ctx context.Context, c idempotency.Claim) (idempotency.Response, bool, error)) (idempotency.Claim, error) {
 	conn, err := oc.pool.Acquire(ctx)
@@ -105,10 +110,13 @@ func (oc *OneCommit) Transact(ctx context.Context, req idempotency.ClaimRequest,
 	// A connection released inside a transaction, or broken, is closed by
 	// the pool rather than reused.
 	defer conn.Release()
-	ended := false
+	var (
+		c  idempotency.Claim
+		tx pgx.Tx
+	)
 	defer func() {
-		if !ended && conn.Conn().PgConn().TxStatus() != 'I' {
-			rollback(ctx, conn.Conn())
+		if tx != nil && conn.Conn().PgConn().TxStatus() != 'I' {
+			rollback(ctx, tx)
 		}
 	}()
 	// The claim's round trip and the commit's are bounded by their
@@ -117,20 +125,15 @@ func (oc *OneCommit) Transact(ctx context.Context, req idempotency.ClaimRequest,
 	// by the wait and a lease, the commit by a lease.
 	bound := max(req.Lease, time.Second)
 	cctx, cancel := context.WithTimeout(ctx, max(wait, 0)+bound)
-	c, err := oc.claim(cctx, conn.Conn(), req, wait)
+	c, tx, err = oc.claim(cctx, conn.Conn(), req, wait)
 	cancel()
 	if err != nil || c.State != idempotency.Owner {
 		return c, err
 	}
-	tx, err := conn.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: idleSQL(req.Lease)})
-	if err != nil {
-		return idempotency.Claim{}, storeerr.Unavailable("postgres one-commit", err)
-	}
-	resp, keep, err := op(context.WithValue(ctx, txKey{}, tx), c)
+	resp, keep, err := op(context.WithValue(ctx, txKey{}, pgx.Tx(opTx{tx})), c)
 	if err != nil || !keep {
 		return c, err
 	}
-	ended = true
 	cctx, cancel = context.WithTimeout(ctx, bound)
 	defer cancel()
 	return c, oc.complete(cctx, conn, tx, req.Key, c.Token, resp)
@@ -142,88 +145,142 @@ func millis(d time.Duration) string {
 	return fmt.Sprint(max(int64((d+time.Millisecond-1)/time.Millisecond), 1))
 }
 
-// idleSQL sets the owner's transaction's idle_in_transaction_session_timeout
-// to lease. Run as the BeginQuery of the pgx.Tx handed to the operation (the
-// transaction is already open), it is the round trip that makes that Tx.
-func idleSQL(lease time.Duration) string {
-	idle := "0"
-	if lease > 0 {
-		idle = millis(lease)
+// idle is the idle_in_transaction_session_timeout of a lease: none for
+// none.
+func idle(lease time.Duration) string {
+	if lease <= 0 {
+		return "0"
 	}
-	return "SET LOCAL idle_in_transaction_session_timeout = " + idle
+	return millis(lease)
 }
 
-// rollback ends conn's transaction, even once ctx is done. A rollback that
-// fails leaves the connection in the transaction, and the pool closes it.
-func rollback(ctx context.Context, conn *pgx.Conn) {
+// rollback ends tx, even once ctx is done. A rollback that fails closes
+// the connection.
+func rollback(ctx context.Context, tx pgx.Tx) {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
-	_, _ = conn.Exec(rctx, "ROLLBACK")
+	_ = tx.Rollback(rctx)
 }
 
-// claim begins a transaction on conn and claims req.Key in it, waiting at
-// most wait, in one round trip: BEGIN, the lock_timeout, the insert of a
-// new record, then the read of the key's row, which is the insert's own row
-// or, after a conflict, the row committed by then.
-func (oc *OneCommit) claim(ctx context.Context, conn *pgx.Conn, req idempotency.ClaimRequest, wait time.Duration) (idempotency.Claim, error) {
-	args := []any{req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID, req.Retention.Microseconds()}
-	b := &pgx.Batch{}
-	b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
-	b.Queue("SELECT set_config('lock_timeout', $1, true)", millis(wait))
-	b.Queue(oc.insertSQL, args...)
-	b.Queue(oc.readSQL, req.Key.Scope, req.Key.Name)
-	br := conn.SendBatch(ctx, b)
-	_, err := br.Exec()
-	if err == nil {
-		_, err = br.Exec()
+// claim claims req.Key in a transaction it begins on conn, waiting at most
+// wait. It returns the transaction, which the caller ends unless claim
+// did: a replay or a mismatch has none left. A new record takes one round
+// trip, an answer from a committed record two (see insert and read).
+func (oc *OneCommit) claim(ctx context.Context, conn *pgx.Conn, req idempotency.ClaimRequest, wait time.Duration) (idempotency.Claim, pgx.Tx, error) {
+	// A row read expired, or gone, is claimed again; each time, another
+	// claim made or removed the key's record in between.
+	for range 3 {
+		tx, token, err := oc.insert(ctx, conn, req, wait)
+		if err != nil || token != 0 {
+			return owner(req, token, err), tx, err
+		}
+		r, err := oc.read(ctx, tx, req.Key)
+		switch {
+		case err != nil:
+			return idempotency.Claim{}, tx, err
+		case r.live:
+			c, err := r.decide(req)
+			return c, tx, err
+		case r.found:
+			if tx, token, err = oc.remake(ctx, conn, req, wait); err != nil || token != 0 {
+				return owner(req, token, err), tx, err
+			}
+		}
 	}
+	return idempotency.Claim{}, nil, fmt.Errorf("%w: postgres one-commit: the key's record changed under three claims", idempotency.ErrInFlight)
+}
+
+// insert begins a transaction and inserts req's record in it, in one round
+// trip, and returns the record's token, or 0 when the key has a row. The
+// statement sets the transaction's lock_timeout and
+// idle_in_transaction_session_timeout before its insert, which waits on
+// the row of a transaction in flight for the key until it ends.
+func (oc *OneCommit) insert(ctx context.Context, conn *pgx.Conn, req idempotency.ClaimRequest, wait time.Duration) (pgx.Tx, int64, error) {
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	b.Queue(oc.insertSQL, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID, req.Retention.Microseconds(),
+		millis(wait), idle(req.Lease))
+	br := conn.SendBatch(ctx, b)
+	tx := br.Tx()
+	_, err := br.Exec()
 	var token int64
-	inserted := true
 	if err == nil {
 		err = br.QueryRow().Scan(&token)
 	}
 	if errors.Is(err, pgx.ErrNoRows) {
-		inserted, err = false, nil
-	}
-	var r oneCommitRow
-	if err == nil {
-		err = br.QueryRow().Scan(&r.state, &r.fingerprint, &r.operationID, &r.response, &r.live)
+		err = nil
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	switch {
-	case lockTimedOut(err):
-		return idempotency.Claim{}, fmt.Errorf("%w: postgres one-commit: the key's transaction outlasted the wait: %w", idempotency.ErrInFlight, err)
-	case err != nil:
-		return idempotency.Claim{}, storeerr.Unavailable("postgres one-commit claim", err)
-	case inserted:
-		return owner(req, token), nil
-	case !r.live:
-		return oc.remake(ctx, conn, args, req)
+	return tx, token, claimError(err)
+}
+
+// read reads the key's row, committed, and ends tx, in one round trip.
+func (oc *OneCommit) read(ctx context.Context, tx pgx.Tx, k idempotency.Key) (oneCommitRow, error) {
+	b := &pgx.Batch{}
+	b.Queue(oc.readSQL, k.Scope, k.Name)
+	b.Queue("ROLLBACK")
+	br := tx.SendBatch(ctx, b)
+	var r oneCommitRow
+	err := br.QueryRow().Scan(&r.state, &r.fingerprint, &r.operationID, &r.response, &r.live)
+	r.found = err == nil
+	if errors.Is(err, pgx.ErrNoRows) {
+		err = nil
 	}
-	return r.decide(req)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return r, claimError(err)
 }
 
-// owner is the claim of the record made for req with token.
-func owner(req idempotency.ClaimRequest, token int64) idempotency.Claim {
-	return idempotency.Claim{State: idempotency.Owner, OperationID: req.OperationID, Attempt: 1, Token: uint64(token)}
-}
-
-// remake makes the record anew in place of an expired row.
-func (oc *OneCommit) remake(ctx context.Context, conn *pgx.Conn, args []any, req idempotency.ClaimRequest) (idempotency.Claim, error) {
+// remake begins a transaction and makes the record anew in place of the
+// key's expired row, and returns its token, or 0, having ended the
+// transaction, when the row was no longer expired or was gone.
+func (oc *OneCommit) remake(ctx context.Context, conn *pgx.Conn, req idempotency.ClaimRequest, wait time.Duration) (pgx.Tx, int64, error) {
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	b.Queue(oc.remakeSQL, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID, req.Retention.Microseconds(),
+		millis(wait), idle(req.Lease))
+	br := conn.SendBatch(ctx, b)
+	tx := br.Tx()
+	_, err := br.Exec()
 	var token int64
-	err := conn.QueryRow(ctx, oc.remakeSQL, args...).Scan(&token)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		// A claim of the lease mode made the record meanwhile.
-		return idempotency.Claim{}, fmt.Errorf("%w: postgres one-commit: the expired record was made anew meanwhile", idempotency.ErrInFlight)
-	case lockTimedOut(err):
-		return idempotency.Claim{}, fmt.Errorf("%w: postgres one-commit: %w", idempotency.ErrInFlight, err)
-	case err != nil:
-		return idempotency.Claim{}, storeerr.Unavailable("postgres one-commit claim", err)
+	if err == nil {
+		err = br.QueryRow().Scan(&token)
 	}
-	return owner(req, token), nil
+	gone := errors.Is(err, pgx.ErrNoRows)
+	if gone {
+		err = nil
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil && gone {
+		err = tx.Rollback(ctx)
+	}
+	return tx, token, claimError(err)
+}
+
+// claimError is err as a claim's: a wait that ran out is ErrInFlight, any
+// other failure ErrUnavailable.
+func claimError(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case lockTimedOut(err):
+		return fmt.Errorf("%w: postgres one-commit: the key's transaction outlasted the wait: %w", idempotency.ErrInFlight, err)
+	}
+	return storeerr.Unavailable("postgres one-commit claim", err)
+}
+
+// owner is the claim of the record made for req with token, or none after
+// err.
+func owner(req idempotency.ClaimRequest, token int64, err error) idempotency.Claim {
+	if err != nil {
+		return idempotency.Claim{}
+	}
+	return idempotency.Claim{State: idempotency.Owner, OperationID: req.OperationID, Attempt: 1, Token: uint64(token)}
 }
 
 // oneCommitRow is the committed row of a key a one-commit claim found.
@@ -232,7 +289,8 @@ type oneCommitRow struct {
 	fingerprint []byte
 	operationID string
 	response    []byte
-	live        bool // not expired
+	found       bool // the key has a row
+	live        bool // found and not expired
 }
 
 // decide answers req from r, a live row of another request or attempt: a
@@ -284,7 +342,7 @@ func (oc *OneCommit) complete(ctx context.Context, conn *pgxpool.Conn, tx pgx.Tx
 	if err != nil {
 		// Ended or not, the connection is left to the pool to close.
 		if conn.Conn().PgConn().TxStatus() != 'I' {
-			rollback(ctx, conn.Conn())
+			rollback(ctx, tx)
 		}
 		return storeerr.Unavailable("postgres one-commit complete", err)
 	}

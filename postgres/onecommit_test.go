@@ -48,6 +48,7 @@ func TestOneCommit(t *testing.T) {
 		{"Middleware", testOneCommitMiddleware},
 		{"OwnerlessInfo", testOneCommitOwnerlessInfo},
 		{"ExpiredRecordMadeAnew", testOneCommitExpiredRecordMadeAnew},
+		{"TxEndsWithRecord", testOneCommitTxEndsWithRecord},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) { c.run(t, f, pg.DSN) })
@@ -557,4 +558,55 @@ func testOneCommitExpiredRecordMadeAnew(t *testing.T, f *fixture, _ string) {
 	require.NoError(t, err)
 	assert.Equal(t, idempotency.Completed, replay.State)
 	assert.Equal(t, "op_another", replay.OperationID)
+}
+
+// The operation cannot end its transaction apart from its record: its
+// Commit and Rollback fail and change nothing, while a savepoint it makes
+// commits or rolls back as in any pgx.Tx.
+func testOneCommitTxEndsWithRecord(t *testing.T, f *fixture, _ string) {
+	s, o := f.store(t)
+	table := charges(t, f, o)
+	g := idempotency.New(s.OneCommit(), idempotency.Options{Retention: longRetention})
+	res, err := g.Do(t.Context(), key("ended"), fp("ended"), func(ctx context.Context) (idempotency.Response, error) {
+		tx, _ := postgres.TxFromContext(ctx)
+		if _, err := tx.Exec(ctx, "INSERT INTO "+table+" VALUES ('kept', 1)"); err != nil {
+			return idempotency.Response{}, err
+		}
+		if err := tx.Commit(ctx); err == nil {
+			return idempotency.Response{}, errors.New("the operation committed its transaction")
+		}
+		if err := tx.Rollback(ctx); err == nil {
+			return idempotency.Response{}, errors.New("the operation rolled its transaction back")
+		}
+		for _, commit := range []bool{false, true} {
+			sp, err := tx.Begin(ctx)
+			if err != nil {
+				return idempotency.Response{}, err
+			}
+			if _, err := sp.Exec(ctx, "INSERT INTO "+table+" VALUES ($1, 2)", fmt.Sprint("savepoint-", commit)); err != nil {
+				return idempotency.Response{}, err
+			}
+			end := sp.Rollback
+			if commit {
+				end = sp.Commit
+			}
+			if err := end(ctx); err != nil {
+				return idempotency.Response{}, err
+			}
+		}
+		return idempotency.Response{Status: http.StatusCreated}, nil
+	})
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusCreated, res.Response.Status)
+	rows, err := f.pool.Query(t.Context(), "SELECT operation_id FROM "+table+" ORDER BY operation_id")
+	require.NoError(t, err)
+	var ids []string
+	for rows.Next() {
+		var id string
+		require.NoError(t, rows.Scan(&id))
+		ids = append(ids, id)
+	}
+	require.NoError(t, rows.Err())
+	assert.Equal(t, []string{"kept", "savepoint-true"}, ids)
+	assert.Equal(t, 1, records(t, f, o))
 }
