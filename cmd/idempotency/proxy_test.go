@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -399,4 +400,16 @@ func TestProxyRefusals(t *testing.T) {
 	code, _, stderr = command(t, "", "-redis", "redis://127.0.0.1:1", "proxy")
 	assert.Equal(t, 2, code)
 	assert.Contains(t, stderr, "-scope-header is required", "the upstream came from the environment")
+}
+
+// TestOneProc: the command runs Go code on one thread (docs/proxy.md,
+// "Added latency"), unless GOMAXPROCS says otherwise.
+func TestOneProc(t *testing.T) {
+	prev := runtime.GOMAXPROCS(0)
+	t.Cleanup(func() { runtime.GOMAXPROCS(prev) })
+	runtime.GOMAXPROCS(2)
+	oneProc(func(string) string { return "2" })
+	assert.Equal(t, 2, runtime.GOMAXPROCS(0), "with GOMAXPROCS set, the runtime's")
+	oneProc(func(string) string { return "" })
+	assert.Equal(t, 1, runtime.GOMAXPROCS(0), "without")
 }
