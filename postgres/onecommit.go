@@ -165,12 +165,12 @@ func rollback(ctx context.Context, tx pgx.Tx) {
 // claim claims req.Key in a transaction it begins on conn, waiting at most
 // wait. It returns the transaction, which the caller ends unless claim
 // did: a replay or a mismatch has none left. A new record takes one round
-// trip, an answer from a committed record two (see insert and read).
+// trip, an answer from a committed record two (see write and read).
 func (oc *OneCommit) claim(ctx context.Context, conn *pgx.Conn, req idempotency.ClaimRequest, wait time.Duration) (idempotency.Claim, pgx.Tx, error) {
 	// A row read expired, or gone, is claimed again; each time, another
 	// claim made or removed the key's record in between.
 	for range 3 {
-		tx, token, err := oc.insert(ctx, conn, req, wait)
+		tx, token, err := oc.write(ctx, conn, oc.insertSQL, req, wait)
 		if err != nil || token != 0 {
 			return owner(req, token, err), tx, err
 		}
@@ -182,23 +182,27 @@ func (oc *OneCommit) claim(ctx context.Context, conn *pgx.Conn, req idempotency.
 			c, err := r.decide(req)
 			return c, tx, err
 		case r.found:
-			if tx, token, err = oc.remake(ctx, conn, req, wait); err != nil || token != 0 {
+			if tx, token, err = oc.write(ctx, conn, oc.remakeSQL, req, wait); err != nil || token != 0 {
 				return owner(req, token, err), tx, err
+			}
+			// No longer expired, or gone.
+			if err := tx.Rollback(ctx); err != nil {
+				return idempotency.Claim{}, tx, claimError(err)
 			}
 		}
 	}
 	return idempotency.Claim{}, nil, fmt.Errorf("%w: postgres one-commit: the key's record changed under three claims", idempotency.ErrInFlight)
 }
 
-// insert begins a transaction and inserts req's record in it, in one round
-// trip, and returns the record's token, or 0 when the key has a row. The
-// statement sets the transaction's lock_timeout and
-// idle_in_transaction_session_timeout before its insert, which waits on
-// the row of a transaction in flight for the key until it ends.
-func (oc *OneCommit) insert(ctx context.Context, conn *pgx.Conn, req idempotency.ClaimRequest, wait time.Duration) (pgx.Tx, int64, error) {
+// write begins a transaction and runs sql, the insert or the remake of
+// req's record, in it, in one round trip, and returns the record's token,
+// or 0 when sql wrote no row. sql sets the transaction's lock_timeout and
+// idle_in_transaction_session_timeout before it writes, so that its wait
+// on the row of a transaction in flight for the key is bounded.
+func (oc *OneCommit) write(ctx context.Context, conn *pgx.Conn, sql string, req idempotency.ClaimRequest, wait time.Duration) (pgx.Tx, int64, error) {
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-	b.Queue(oc.insertSQL, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID, req.Retention.Microseconds(),
+	b.Queue(sql, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID, req.Retention.Microseconds(),
 		millis(wait), idle(req.Lease))
 	br := conn.SendBatch(ctx, b)
 	tx := br.Tx()
@@ -232,34 +236,6 @@ func (oc *OneCommit) read(ctx context.Context, tx pgx.Tx, k idempotency.Key) (on
 		err = cerr
 	}
 	return r, claimError(err)
-}
-
-// remake begins a transaction and makes the record anew in place of the
-// key's expired row, and returns its token, or 0, having ended the
-// transaction, when the row was no longer expired or was gone.
-func (oc *OneCommit) remake(ctx context.Context, conn *pgx.Conn, req idempotency.ClaimRequest, wait time.Duration) (pgx.Tx, int64, error) {
-	b := &pgx.Batch{}
-	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-	b.Queue(oc.remakeSQL, req.Key.Scope, req.Key.Name, req.Fingerprint[:], req.OperationID, req.Retention.Microseconds(),
-		millis(wait), idle(req.Lease))
-	br := conn.SendBatch(ctx, b)
-	tx := br.Tx()
-	_, err := br.Exec()
-	var token int64
-	if err == nil {
-		err = br.QueryRow().Scan(&token)
-	}
-	gone := errors.Is(err, pgx.ErrNoRows)
-	if gone {
-		err = nil
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil && gone {
-		err = tx.Rollback(ctx)
-	}
-	return tx, token, claimError(err)
 }
 
 // claimError is err as a claim's: a wait that ran out is ErrInFlight, any
