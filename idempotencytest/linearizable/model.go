@@ -295,25 +295,30 @@ func unchanged(r record, ok bool) []record {
 	return nil
 }
 
-// model is the checker's model of a history's records, partitioned by key.
-var model = (&porcupine.NondeterministicModel{
-	Partition: func(history []porcupine.Operation) [][]porcupine.Operation {
+// byKey partitions a history by the key of each operation's input.
+func byKey(key func(in any) string) func([]porcupine.Operation) [][]porcupine.Operation {
+	return func(history []porcupine.Operation) [][]porcupine.Operation {
 		var keys []string
-		byKey := map[string][]porcupine.Operation{}
+		ops := map[string][]porcupine.Operation{}
 		for _, op := range history {
-			k := op.Input.(input).key
-			if byKey[k] == nil {
+			k := key(op.Input)
+			if ops[k] == nil {
 				keys = append(keys, k)
 			}
-			byKey[k] = append(byKey[k], op)
+			ops[k] = append(ops[k], op)
 		}
 		parts := make([][]porcupine.Operation, len(keys))
 		for i, k := range keys {
-			parts[i] = byKey[k]
+			parts[i] = ops[k]
 		}
 		return parts
-	},
-	Init: func() []any { return []any{record{}} },
+	}
+}
+
+// model is the checker's model of a history's records, partitioned by key.
+var model = (&porcupine.NondeterministicModel{
+	Partition: byKey(func(in any) string { return in.(input).key }),
+	Init:      func() []any { return []any{record{}} },
 	Step: func(state, in, out any) []any {
 		var next []any
 		for _, r := range step(state.(record), in.(input), out.(output)) {

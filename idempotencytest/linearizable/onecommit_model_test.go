@@ -8,6 +8,8 @@ import (
 
 	"github.com/anishathalye/porcupine"
 	"github.com/stretchr/testify/assert"
+
+	"github.com/idempotency-go/idempotency/idempotencytest/linearizable"
 )
 
 // The one-commit mode's model: what Guard.Do over an idempotency.Transactor
@@ -158,23 +160,8 @@ func ocStep(r ocRecord, in ocIn, out ocOut) []ocRecord {
 }
 
 var ocModel = (&porcupine.NondeterministicModel{
-	Partition: func(history []porcupine.Operation) [][]porcupine.Operation {
-		var keys []string
-		byKey := map[string][]porcupine.Operation{}
-		for _, op := range history {
-			k := op.Input.(ocIn).key
-			if byKey[k] == nil {
-				keys = append(keys, k)
-			}
-			byKey[k] = append(byKey[k], op)
-		}
-		parts := make([][]porcupine.Operation, len(keys))
-		for i, k := range keys {
-			parts[i] = byKey[k]
-		}
-		return parts
-	},
-	Init: func() []any { return []any{ocRecord{}} },
+	Partition: linearizable.ByKey(func(in any) string { return in.(ocIn).key }),
+	Init:      func() []any { return []any{ocRecord{}} },
 	Step: func(state, in, out any) []any {
 		var next []any
 		for _, r := range ocStep(state.(ocRecord), in.(ocIn), out.(ocOut)) {
