@@ -121,6 +121,15 @@ func start(t *testing.T, args ...string) *instance {
 	return in
 }
 
+// logged waits until in's stderr matches re: the process logs as it
+// answers, and its stderr reaches the test through a pipe a moment later.
+func (in *instance) logged(t *testing.T, re string) {
+	t.Helper()
+	want := regexp.MustCompile(re)
+	assert.Eventually(t, func() bool { return want.MatchString(in.stderr()) }, 5*time.Second, 10*time.Millisecond,
+		"the log never matched %s:\n%s", re, in.stderr())
+}
+
 func (in *instance) stderr() string {
 	in.mu.Lock()
 	defer in.mu.Unlock()
@@ -593,7 +602,7 @@ func TestKilledOwnerIsRecoveredByRetry(t *testing.T) {
 	assert.Equal(t, made, gatewayCharges(t, rs), "the gateway made another charge")
 	assert.Equal(t, gatewayStats{Calls: 1, Charges: 1}, getJSON[gatewayStats](t, b.url+"/v1/gateway"))
 	assert.Equal(t, made, getJSON[[]charge](t, b.url+"/v1/charges"))
-	assert.Contains(t, b.stderr(), "had charged "+made[0].ID)
+	b.logged(t, regexp.QuoteMeta("had charged "+made[0].ID))
 
 	again, err := postCharge(b.url, "crash", "", amountBody(100))
 	require.NoError(t, err)
@@ -620,7 +629,7 @@ func TestSweeperRecoversKilledOwner(t *testing.T) {
 	// settled: the record is completed by the sweep alone.
 	assert.Equal(t, made, awaitLedger(t, b.url, 1))
 	awaitSettled(t, 1, b)
-	assert.Contains(t, b.stderr(), "had charged "+made[0].ID)
+	b.logged(t, regexp.QuoteMeta("had charged "+made[0].ID))
 
 	r, err := postCharge(b.url, "swept", "", amountBody(100))
 	require.NoError(t, err)
@@ -755,7 +764,7 @@ func TestRecoveryRunsUnchargedOperation(t *testing.T) {
 	requireCreated(t, r, made[0], false)
 	assert.Equal(t, gatewayStats{Calls: 1, Charges: 1}, getJSON[gatewayStats](t, b.url+"/v1/gateway"))
 	assert.Equal(t, made, getJSON[[]charge](t, b.url+"/v1/charges"))
-	assert.Contains(t, b.stderr(), "never charged")
+	b.logged(t, "never charged")
 
 	again, err := postCharge(b.url, "uncharged", "", chargeBody)
 	require.NoError(t, err)
@@ -798,7 +807,7 @@ func TestRecoveryWithoutAnAnswerWaits(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, idempotency.ProblemTypes+"in-flight", requireProblem(t, r, http.StatusConflict))
 	assert.Equal(t, "1", r.header.Get("Retry-After"))
-	assert.Regexp(t, `recover: idem_\S+: gateway: WRONGTYPE .*; left abandoned`, b.stderr())
+	b.logged(t, `recover: idem_\S+: gateway: WRONGTYPE .*; left abandoned`)
 	requireLedgerEmpty(t, rs)
 	// At once, not after a lease: the hook gave the record up unsettled.
 	list, err := store.ListAbandoned(ctx, 10)
