@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/idempotency-go/idempotency"
@@ -142,7 +143,7 @@ func (oc *OneCommit) Transact(ctx context.Context, req idempotency.ClaimRequest,
 // millis is d in whole milliseconds, at least 1, as a setting: 0 would
 // turn lock_timeout or idle_in_transaction_session_timeout off.
 func millis(d time.Duration) string {
-	return fmt.Sprint(max(int64((d+time.Millisecond-1)/time.Millisecond), 1))
+	return strconv.FormatInt(max(int64((d+time.Millisecond-1)/time.Millisecond), 1), 10)
 }
 
 // idle is the idle_in_transaction_session_timeout of a lease: none for
