@@ -42,6 +42,9 @@ import (
 type OneCommit struct {
 	*Store
 	insertSQL, readSQL, remakeSQL, completeSQL string
+	// answered is how often recent claims were answered from a committed
+	// record (a replay or a mismatch) rather than owning the key.
+	answered share
 }
 
 var (
@@ -101,7 +104,11 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 //
 // A new operation takes two round trips besides its own statements (the
 // claim, the answer with COMMIT); a replay or a mismatch two (the claim,
-// then the read of the committed record with ROLLBACK).
+// then the read of the committed record with ROLLBACK). While most recent
+// claims were answered from a committed record (a retry storm), Transact
+// reads the key's committed record first, outside any transaction: a
+// replay or a mismatch then takes one round trip and waits for no writer
+// of the row, and a new operation three.
 func (oc *OneCommit) Transact(ctx context.Context, req idempotency.ClaimRequest, wait time.Duration,
 	op func(ctx context.Context, c idempotency.Claim) (idempotency.Response, bool, error)) (idempotency.Claim, error) {
 	conn, err := oc.pool.Acquire(ctx)
@@ -128,6 +135,9 @@ func (oc *OneCommit) Transact(ctx context.Context, req idempotency.ClaimRequest,
 	cctx, cancel := context.WithTimeout(ctx, max(wait, 0)+bound)
 	c, tx, err = oc.claim(cctx, conn.Conn(), req, wait)
 	cancel()
+	if err == nil {
+		oc.answered.add(c.State != idempotency.Owner)
+	}
 	if err != nil || c.State != idempotency.Owner {
 		return c, err
 	}
@@ -166,8 +176,14 @@ func rollback(ctx context.Context, tx pgx.Tx) {
 // claim claims req.Key in a transaction it begins on conn, waiting at most
 // wait. It returns the transaction, which the caller ends unless claim
 // did: a replay or a mismatch has none left. A new record takes one round
-// trip, an answer from a committed record two (see write and read).
+// trip, an answer from a committed record two (see write and read), or one
+// while most claims are answered so (see answer).
 func (oc *OneCommit) claim(ctx context.Context, conn *pgx.Conn, req idempotency.ClaimRequest, wait time.Duration) (idempotency.Claim, pgx.Tx, error) {
+	if oc.answered.most() {
+		if c, ok, err := oc.answer(ctx, conn, req); ok || err != nil {
+			return c, nil, err
+		}
+	}
 	// A row read expired, or gone, is claimed again; each time, another
 	// claim made or removed the key's record in between.
 	for range 3 {
@@ -227,16 +243,37 @@ func (oc *OneCommit) read(ctx context.Context, tx pgx.Tx, k idempotency.Key) (on
 	b.Queue(oc.readSQL, k.Scope, k.Name)
 	b.Queue("ROLLBACK")
 	br := tx.SendBatch(ctx, b)
-	var r oneCommitRow
-	err := br.QueryRow().Scan(&r.state, &r.fingerprint, &r.operationID, &r.response, &r.live)
-	r.found = err == nil
-	if errors.Is(err, pgx.ErrNoRows) {
-		err = nil
-	}
+	r, err := scanRow(br.QueryRow())
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
 	return r, claimError(err)
+}
+
+// answer answers req from the key's committed record, read in one round
+// trip outside any transaction, as claim would answer it after its insert
+// found the row: ok is false when the key has no live record, which only a
+// claim can settle. A committed record answers so until it expires, so
+// reading it before claiming changes no outcome, only the statements run.
+func (oc *OneCommit) answer(ctx context.Context, conn *pgx.Conn, req idempotency.ClaimRequest) (c idempotency.Claim, ok bool, err error) {
+	r, err := scanRow(conn.QueryRow(ctx, oc.readSQL, req.Key.Scope, req.Key.Name))
+	if err != nil || !r.live {
+		return idempotency.Claim{}, false, claimError(err)
+	}
+	c, err = r.decide(req)
+	return c, true, err
+}
+
+// scanRow scans a row of readSQL: found is false, with no error, when the
+// key has none.
+func scanRow(row pgx.Row) (oneCommitRow, error) {
+	var r oneCommitRow
+	err := row.Scan(&r.state, &r.fingerprint, &r.operationID, &r.response, &r.live)
+	r.found = err == nil
+	if errors.Is(err, pgx.ErrNoRows) {
+		err = nil
+	}
+	return r, err
 }
 
 // claimError is err as a claim's: a wait that ran out is ErrInFlight, any

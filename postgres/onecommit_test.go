@@ -49,6 +49,7 @@ func TestOneCommit(t *testing.T) {
 		{"OwnerlessInfo", testOneCommitOwnerlessInfo},
 		{"ExpiredRecordMadeAnew", testOneCommitExpiredRecordMadeAnew},
 		{"TxEndsWithRecord", testOneCommitTxEndsWithRecord},
+		{"ReplayStorm", testOneCommitReplayStorm},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) { c.run(t, f, pg.DSN) })
@@ -558,6 +559,82 @@ func testOneCommitExpiredRecordMadeAnew(t *testing.T, f *fixture, _ string) {
 	require.NoError(t, err)
 	assert.Equal(t, idempotency.Completed, replay.State)
 	assert.Equal(t, "op_another", replay.OperationID)
+}
+
+// While most claims are answered from a committed record (a retry storm),
+// a replay reads that record before it claims: it answers as the claim
+// would, but waits for no transaction writing the row, which a claim's
+// insert waits for. Every other outcome is still the claim's: a new key
+// runs once, a key in flight is waited for, an expired record is made anew.
+func testOneCommitReplayStorm(t *testing.T, f *fixture, _ string) {
+	s, o := f.store(t)
+	table := charges(t, f, o)
+	oc := s.OneCommit()
+	g := idempotency.New(oc, idempotency.Options{Retention: longRetention, WaitTimeout: 300 * time.Millisecond})
+	var runs atomic.Int64
+	op := chargeOp(table, &runs)
+	first, err := g.Do(t.Context(), key("storm"), fp("storm"), op)
+	require.NoError(t, err)
+	writer, err := f.pool.Begin(t.Context())
+	require.NoError(t, err)
+	defer func() { _ = writer.Rollback(context.Background()) }()
+	_, err = writer.Exec(t.Context(), "UPDATE "+o.Table+" SET expires_at = expires_at WHERE scope = $1 AND key = $2", key("storm").Scope, key("storm").Name)
+	require.NoError(t, err)
+	_, err = g.Do(t.Context(), key("storm"), fp("storm"), op)
+	require.ErrorIs(t, err, idempotency.ErrInFlight, "outside a storm, a replay claims, and waits for the row's writer")
+
+	_, err = g.Do(t.Context(), key("other"), fp("other"), op)
+	require.NoError(t, err)
+	for range 30 {
+		res, err := g.Do(t.Context(), key("other"), fp("other"), op)
+		require.NoError(t, err)
+		require.True(t, res.Replayed)
+	}
+	start := time.Now()
+	res, err := g.Do(t.Context(), key("storm"), fp("storm"), op)
+	require.NoError(t, err, "in a storm, a replay reads the committed record")
+	assert.Less(t, time.Since(start), 300*time.Millisecond, "and waits for no writer")
+	assert.True(t, res.Replayed)
+	assert.Equal(t, first.Response.Body, res.Response.Body)
+	assert.Equal(t, first.OperationID, res.OperationID)
+	_, err = g.Do(t.Context(), key("storm"), fp("another request"), op)
+	require.ErrorIs(t, err, idempotency.ErrMismatch)
+	require.NoError(t, writer.Rollback(t.Context()))
+
+	res, err = g.Do(t.Context(), key("new"), fp("new"), op)
+	require.NoError(t, err)
+	assert.False(t, res.Replayed, "a new key in a storm is claimed and run")
+	release := make(chan struct{})
+	done := hold(t, oc, key("flight"), longLease, release)
+	waited := make(chan idempotency.Result, 1)
+	go func() {
+		long := idempotency.New(oc, idempotency.Options{Retention: longRetention, WaitTimeout: time.Minute})
+		res, err := long.Do(context.Background(), key("flight"), fp("flight"), op)
+		assert.NoError(t, err)
+		waited <- res
+	}()
+	time.Sleep(100 * time.Millisecond) // let it queue on the row
+	close(release)
+	require.NoError(t, <-done)
+	res = <-waited
+	assert.True(t, res.Replayed, "a key in flight is waited for")
+	assert.Equal(t, "held", string(res.Response.Body))
+
+	keep := func(context.Context, idempotency.Claim) (idempotency.Response, bool, error) {
+		return idempotency.Response{Status: http.StatusOK}, true, nil
+	}
+	req := request("expired", longLease)
+	req.Retention = time.Millisecond
+	c, err := oc.Transact(t.Context(), req, time.Second, keep)
+	require.NoError(t, err)
+	require.Equal(t, idempotency.Owner, c.State)
+	time.Sleep(20 * time.Millisecond)
+	req.Retention = longRetention
+	c, err = oc.Transact(t.Context(), req, time.Second, keep)
+	require.NoError(t, err)
+	assert.Equal(t, idempotency.Owner, c.State, "an expired record is made anew")
+	assert.Equal(t, int64(3), runs.Load(), "storm, other, new")
+	assert.Equal(t, 3, count(t, f, table))
 }
 
 // The operation cannot end its transaction apart from its record: its
