@@ -251,10 +251,9 @@ func (oc *OneCommit) read(ctx context.Context, tx pgx.Tx, k idempotency.Key) (on
 }
 
 // answer answers req from the key's committed record, read in one round
-// trip outside any transaction, as claim would answer it after its insert
-// found the row: ok is false when the key has no live record, which only a
-// claim can settle. A committed record answers so until it expires, so
-// reading it before claiming changes no outcome, only the statements run.
+// trip outside any transaction, as a claim at the moment of the read would
+// (see decide), without waiting for a transaction that writes the row: ok
+// is false when the key has no live record, which only a claim can settle.
 func (oc *OneCommit) answer(ctx context.Context, conn *pgx.Conn, req idempotency.ClaimRequest) (c idempotency.Claim, ok bool, err error) {
 	r, err := scanRow(conn.QueryRow(ctx, oc.readSQL, req.Key.Scope, req.Key.Name))
 	if err != nil || !r.live {
