@@ -50,6 +50,7 @@ func TestOneCommit(t *testing.T) {
 		{"ExpiredRecordMadeAnew", testOneCommitExpiredRecordMadeAnew},
 		{"TxEndsWithRecord", testOneCommitTxEndsWithRecord},
 		{"ReplayStorm", testOneCommitReplayStorm},
+		{"Run", testOneCommitRun},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) { c.run(t, f, pg.DSN) })
@@ -569,6 +570,36 @@ func expired(t *testing.T, oc *postgres.OneCommit, req idempotency.ClaimRequest)
 	require.Equal(t, idempotency.Owner, c.State)
 	time.Sleep(20 * time.Millisecond)
 	return c
+}
+
+// Run, a queue consumer's entry, reaches the mode as Do does: the value is
+// computed in the transaction with the business write, stored with it, and
+// every later call decodes the same value without running the operation.
+func testOneCommitRun(t *testing.T, f *fixture, _ string) {
+	s, o := f.store(t)
+	table := charges(t, f, o)
+	g := idempotency.New(s.OneCommit(), idempotency.Options{Retention: longRetention})
+	type charge struct {
+		ID     string
+		Amount int
+	}
+	var runs atomic.Int64
+	consume := func(ctx context.Context) (charge, error) {
+		resp, err := chargeOp(table, &runs)(ctx)
+		return charge{ID: string(resp.Body), Amount: 100}, err
+	}
+	first, replayed, err := idempotency.Run(t.Context(), g, key("msg"), fp("msg"), consume)
+	require.NoError(t, err)
+	assert.False(t, replayed)
+	assert.NotEmpty(t, first.ID)
+	again, replayed, err := idempotency.Run(t.Context(), g, key("msg"), fp("msg"), consume)
+	require.NoError(t, err)
+	assert.True(t, replayed)
+	assert.Equal(t, first, again)
+	assert.Equal(t, int64(1), runs.Load())
+	var charged string
+	require.NoError(t, f.pool.QueryRow(t.Context(), "SELECT operation_id FROM "+table).Scan(&charged))
+	assert.Equal(t, first.ID, charged, "the business row is the stored value's")
 }
 
 // While most claims are answered from a committed record (a retry storm),
