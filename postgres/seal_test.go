@@ -81,6 +81,7 @@ func TestSealPostgres(t *testing.T) {
 	t.Run("CopiedResponse", func(t *testing.T) { testSealCopiedResponse(t, r) })
 	t.Run("Rotation", func(t *testing.T) { testSealRotation(t, r) })
 	t.Run("CompleteTxRefused", func(t *testing.T) { testSealCompleteTxRefused(t, r) })
+	t.Run("OneCommit", func(t *testing.T) { testSealOneCommit(t, r) })
 }
 
 func sealResponse(id string) idempotency.Response {
@@ -235,4 +236,76 @@ func testSealCompleteTxRefused(t *testing.T, r *sealRig) {
 	require.NoError(t, err)
 	assert.Equal(t, idempotency.RecordReleased, rec.State)
 	assert.Empty(t, rec.Steps)
+}
+
+// The one-commit mode sealed by seal.NewTx keeps its mode, the business
+// write and the sealed record committing together, and its records hold
+// no marker; a replay opens the response, across a rotation too, and runs
+// nothing; another request is a mismatch. seal.New refuses the mode, which
+// it would run as the lease mode, with no transaction for the operation.
+func testSealOneCommit(t *testing.T, r *sealRig) {
+	inner, table := r.store(t)
+	oc := inner.OneCommit()
+	_, err := seal.New(oc, seal.Keys{Current: sealKey(1)})
+	require.ErrorContains(t, err, "NewTx")
+	_, err = seal.NewTx(inner, seal.Keys{Current: sealKey(1)})
+	require.ErrorContains(t, err, "Transactor")
+	ledger := table + "_ledger"
+	_, err = r.pool.Exec(t.Context(), "CREATE TABLE "+ledger+" (operation_id text PRIMARY KEY)")
+	require.NoError(t, err)
+	key1, key2 := sealKey(1), sealKey(2)
+	tx1, err := seal.NewTx(oc, seal.Keys{Current: key1})
+	require.NoError(t, err)
+	k := idempotency.Key{Scope: "acct_1", Name: "one-commit"}
+	var seen string
+	charge := func(fail bool) func(ctx context.Context) (idempotency.Response, error) {
+		return func(ctx context.Context) (idempotency.Response, error) {
+			info, _ := idempotency.FromContext(ctx)
+			seen = info.OperationID
+			tx, ok := postgres.TxFromContext(ctx)
+			if !ok {
+				return idempotency.Response{}, errors.New("no transaction: not the one-commit mode")
+			}
+			if _, err := tx.Exec(ctx, "INSERT INTO "+ledger+" VALUES ($1)", info.OperationID); err != nil {
+				return idempotency.Response{}, err
+			}
+			if fail {
+				return idempotency.Response{}, errSealStep
+			}
+			return sealResponse("ch_1"), nil
+		}
+	}
+	g1 := idempotency.New(tx1, idempotency.Options{})
+	_, err = g1.Do(t.Context(), k, sealRequest, charge(true))
+	require.ErrorIs(t, err, errSealStep)
+	_, rows := sealLeaks(t, r.pool, table)
+	assert.Zero(t, rows, "a failed operation leaves no record")
+	first, err := g1.Do(t.Context(), k, sealRequest, charge(false))
+	require.NoError(t, err)
+	assert.False(t, first.Replayed)
+	assert.Equal(t, sealResponse("ch_1"), first.Response)
+	assert.Equal(t, seen, first.OperationID, "the operation sees the caller's operation ID")
+	assert.NotContains(t, first.OperationID, "~k")
+	var charged string
+	require.NoError(t, r.pool.QueryRow(t.Context(), "SELECT string_agg(operation_id, ',') FROM "+ledger).Scan(&charged))
+	assert.Equal(t, first.OperationID, charged, "one business row, committed with the record")
+	leaks, rows := sealLeaks(t, r.pool, table)
+	assert.Empty(t, leaks)
+	assert.Equal(t, 1, rows)
+
+	tx2, err := seal.NewTx(oc, seal.Keys{Current: key2, Earlier: []seal.Key{key1}})
+	require.NoError(t, err)
+	for _, g := range []*idempotency.Guard{g1, idempotency.New(tx2, idempotency.Options{})} {
+		res, err := g.Do(t.Context(), k, sealRequest, sealMustNotRun(t))
+		require.NoError(t, err)
+		assert.True(t, res.Replayed)
+		assert.Equal(t, sealResponse("ch_1"), res.Response)
+		assert.Equal(t, first.OperationID, res.OperationID)
+		_, err = g.Do(t.Context(), k, idempotency.FingerprintOf("POST /v1/charges", []byte("another")), sealMustNotRun(t))
+		require.ErrorIs(t, err, idempotency.ErrMismatch)
+	}
+	tx3, err := seal.NewTx(oc, seal.Keys{Current: key2})
+	require.NoError(t, err)
+	_, err = idempotency.New(tx3, idempotency.Options{}).Do(t.Context(), k, sealRequest, sealMustNotRun(t))
+	require.ErrorIs(t, err, seal.ErrUnknownKey)
 }

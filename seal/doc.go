@@ -26,5 +26,7 @@
 // The postgres package's CompleteTx and StepTx write the caller's response
 // or result themselves, in the caller's transaction: on a Guard made with
 // a Store they fail with idempotency.ErrForeignStore before writing
-// anything, rather than store clear text.
+// anything, rather than store clear text. Its one-commit mode, which stores
+// the response itself in the operation's transaction, is sealed by NewTx
+// (a TxStore), which keeps that mode; New refuses it.
 package seal

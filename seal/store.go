@@ -53,7 +53,19 @@ type statser interface {
 // Store implements idempotency.RecoveryPointStore, idempotency.Inspector,
 // idempotency.DeadlineBound and a Stats method by delegating to inner's,
 // and fails those calls when inner has none (see each method).
+//
+// A store that runs each operation in one transaction of its own (an
+// idempotency.Transactor, such as the postgres package's one-commit mode)
+// is refused: NewTx seals it, and keeps that mode.
 func New(inner idempotency.Store, keys Keys) (*Store, error) {
+	if _, ok := inner.(idempotency.Transactor); ok {
+		return nil, fmt.Errorf("seal: %T runs operations in one transaction: seal it with NewTx", inner)
+	}
+	return newStore(inner, keys)
+}
+
+// newStore is New for any inner store.
+func newStore(inner idempotency.Store, keys Keys) (*Store, error) {
 	if inner == nil {
 		return nil, errors.New("seal: New needs a store to wrap")
 	}
@@ -118,25 +130,33 @@ func untagOperation(kept string) (id string, keyID uint32, tagged bool) {
 // handler unguarded on them, since the record exists and may be an
 // operation that ran.
 func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.Claim, error) {
+	return s.claim(ctx, req, s.inner.Claim)
+}
+
+// claimFunc is how the inner store claims: its Claim, or a Transact.
+type claimFunc func(ctx context.Context, req idempotency.ClaimRequest) (idempotency.Claim, error)
+
+// claim is Claim, with the inner store's claims made by by.
+func (s *Store) claim(ctx context.Context, req idempotency.ClaimRequest, by claimFunc) (idempotency.Claim, error) {
 	if len(req.OperationID) == 0 || len(req.OperationID) > MaxOperationID {
 		return idempotency.Claim{}, fmt.Errorf("seal: an operation ID of %d bytes, want 1..%d", len(req.OperationID), MaxOperationID)
 	}
-	c, err := s.claimAs(ctx, req, s.keys.current)
+	c, err := s.claimAs(ctx, req, s.keys.current, by)
 	if err != nil || c.State != idempotency.Mismatch {
 		return c, err
 	}
 	if s.inspector == nil {
-		return s.claimEarlier(ctx, req, c)
+		return s.claimEarlier(ctx, req, c, by)
 	}
-	return s.rematch(ctx, req, c)
+	return s.rematch(ctx, req, c, by)
 }
 
-// claimAs claims req with its fingerprint keyed by k, and answers with the
-// caller's operation ID and a stored response opened.
-func (s *Store) claimAs(ctx context.Context, req idempotency.ClaimRequest, k *key) (idempotency.Claim, error) {
+// claimAs claims req by by with its fingerprint keyed by k, and answers
+// with the caller's operation ID and a stored response opened.
+func (s *Store) claimAs(ctx context.Context, req idempotency.ClaimRequest, k *key, by claimFunc) (idempotency.Claim, error) {
 	req.Fingerprint = k.fingerprint(req.Fingerprint)
 	req.OperationID = tagOperation(req.OperationID, k.id)
-	c, err := s.inner.Claim(ctx, req)
+	c, err := by(ctx, req)
 	if err != nil {
 		return c, err
 	}
@@ -151,9 +171,9 @@ func (s *Store) claimAs(ctx context.Context, req idempotency.ClaimRequest, k *ke
 
 // claimEarlier claims req under each earlier key in turn until one does
 // not answer Mismatch; mismatch is the answer when none does.
-func (s *Store) claimEarlier(ctx context.Context, req idempotency.ClaimRequest, mismatch idempotency.Claim) (idempotency.Claim, error) {
+func (s *Store) claimEarlier(ctx context.Context, req idempotency.ClaimRequest, mismatch idempotency.Claim, by claimFunc) (idempotency.Claim, error) {
 	for _, k := range s.keys.earlier {
-		c, err := s.claimAs(ctx, req, k)
+		c, err := s.claimAs(ctx, req, k, by)
 		if err != nil || c.State != idempotency.Mismatch {
 			return c, err
 		}
@@ -164,13 +184,13 @@ func (s *Store) claimEarlier(ctx context.Context, req idempotency.ClaimRequest, 
 // rematch answers a claim of req that found a record with another
 // fingerprint (mismatch), once the inner Inspector has told which key made
 // the record's fingerprint.
-func (s *Store) rematch(ctx context.Context, req idempotency.ClaimRequest, mismatch idempotency.Claim) (idempotency.Claim, error) {
+func (s *Store) rematch(ctx context.Context, req idempotency.ClaimRequest, mismatch idempotency.Claim, by claimFunc) (idempotency.Claim, error) {
 	rec, err := s.inspector.Inspect(ctx, req.Key)
 	switch {
 	case errors.Is(err, idempotency.ErrNoRecord):
 		// Settled and gone since: the key is free, and a claim makes it
 		// anew under the current key.
-		return s.claimAs(ctx, req, s.keys.current)
+		return s.claimAs(ctx, req, s.keys.current, by)
 	case err != nil:
 		return idempotency.Claim{}, err
 	}
@@ -184,7 +204,7 @@ func (s *Store) rematch(ctx context.Context, req idempotency.ClaimRequest, misma
 	case k == s.keys.current:
 		return mismatch, nil // the record of another request
 	}
-	return s.claimAs(ctx, req, k)
+	return s.claimAs(ctx, req, k, by)
 }
 
 // Complete implements idempotency.Store: it stores resp sealed under the
