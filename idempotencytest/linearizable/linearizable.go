@@ -140,7 +140,7 @@ func Check(t testing.TB, store idempotency.Store, opts Options) Result {
 	// record that fails, in the order they started.
 	for _, part := range model.Partition(h.ops) {
 		if porcupine.CheckOperationsTimeout(model, part, opts.CheckTimeout) == porcupine.Illegal {
-			t.Logf("linearizable: the calls on %s, which are not linearizable:\n%s", part[0].Input.(input).key, listing(part))
+			t.Logf("linearizable: the calls on %s, which are not linearizable:\n%s", part[0].Input.(input).key, listing(part, func(op porcupine.Operation) string { return describeCall(op.Input.(input), op.Output.(output)) }))
 			break
 		}
 	}
@@ -184,8 +184,9 @@ func kind(in input, out output) string {
 	return "mismatch"
 }
 
-// listing writes ops one a line, by start: client, window, call and answer.
-func listing(ops []porcupine.Operation) string {
+// listing writes ops one a line, by start: client, window, and the call
+// and answer as describe tells them.
+func listing(ops []porcupine.Operation, describe func(porcupine.Operation) string) string {
 	ops = slices.Clone(ops)
 	slices.SortFunc(ops, func(a, b porcupine.Operation) int { return cmp.Compare(a.Call, b.Call) })
 	var b strings.Builder
@@ -195,7 +196,7 @@ func listing(ops []porcupine.Operation) string {
 			ret = "never"
 		}
 		fmt.Fprintf(&b, "client %d [%v, %s] %s\n", op.ClientId, time.Duration(op.Call), ret,
-			describeCall(op.Input.(input), op.Output.(output)))
+			describe(op))
 	}
 	return b.String()
 }

@@ -113,7 +113,9 @@ func underFaults(t *testing.T, name string, proxy *faultproxy.Proxy, gap time.Du
 	ctx, stop := context.WithCancel(t.Context())
 	var faults map[string]int
 	var wg sync.WaitGroup
-	wg.Go(func() { faults = inject(ctx, proxy, gap) })
+	wg.Go(func() {
+		faults = inject(ctx, proxy, faultMix{every: gap, spread: 4 * gap, resetAfter: 1, partition: 50 * time.Millisecond, latency: 15 * time.Millisecond})
+	})
 	res := linearizable.Check(t, store, linearizable.Options{Duration: 3 * time.Second})
 	stop()
 	wg.Wait()
@@ -122,35 +124,44 @@ func underFaults(t *testing.T, name string, proxy *faultproxy.Proxy, gap time.Du
 	require.Positive(t, res.UnknownOutcomes, "no call failed: the faults missed")
 }
 
-// inject puts a fault on p every gap to 5*gap until ctx is done, and counts
-// them by kind.
-func inject(ctx context.Context, p *faultproxy.Proxy, gap time.Duration) map[string]int {
+// faultMix is how inject picks faults: one after every plus up to spread;
+// a reset after a request weighs resetAfter, each other kind (a reset
+// before a request, a reset of all, a partition of up to partition, a
+// latency of up to latency) 1.
+type faultMix struct {
+	every, spread      time.Duration
+	resetAfter         int
+	partition, latency time.Duration
+}
+
+// inject puts faults of m on p until ctx is done, and counts them by kind.
+func inject(ctx context.Context, p *faultproxy.Proxy, m faultMix) map[string]int {
 	n := map[string]int{}
 	for {
 		select {
 		case <-ctx.Done():
 			p.SetLatency(0)
 			return n
-		case <-time.After(gap + rand.N(4*gap)):
+		case <-time.After(m.every + rand.N(m.spread)):
 		}
-		switch rand.N(5) {
-		case 0:
-			p.ResetAll()
-			n["reset all"]++
-		case 1:
+		switch k := rand.N(m.resetAfter + 4); {
+		case k < m.resetAfter:
 			p.ResetOnNextRequest(true)
 			n["reset after a request"]++
-		case 2:
+		case k == m.resetAfter:
 			p.ResetOnNextRequest(false)
 			n["reset before a request"]++
-		case 3:
-			p.SetLatency(rand.N(15 * time.Millisecond))
-			n["latency"]++
-		case 4:
+		case k == m.resetAfter+1:
+			p.ResetAll()
+			n["reset all"]++
+		case k == m.resetAfter+2:
 			p.Partition()
-			time.Sleep(rand.N(50 * time.Millisecond))
+			time.Sleep(rand.N(m.partition))
 			p.Heal()
 			n["partition"]++
+		default:
+			p.SetLatency(rand.N(m.latency))
+			n["latency"]++
 		}
 	}
 }

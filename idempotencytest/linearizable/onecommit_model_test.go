@@ -2,7 +2,6 @@ package linearizable_test
 
 import (
 	"fmt"
-	"math"
 	"testing"
 	"time"
 
@@ -52,7 +51,7 @@ import (
 //     twice.
 
 // never ends the window of a call whose outcome is unknown.
-const ocNever = math.MaxInt64 / 4
+const ocNever = linearizable.Never
 
 type ocKind uint8
 

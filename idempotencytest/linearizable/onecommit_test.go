@@ -1,7 +1,6 @@
 package linearizable_test
 
 import (
-	"cmp"
 	"context"
 	"crypto/rand"
 	"errors"
@@ -11,7 +10,6 @@ import (
 	"net/url"
 	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -22,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idempotency-go/idempotency"
+	"github.com/idempotency-go/idempotency/idempotencytest/linearizable"
 	"github.com/idempotency-go/idempotency/internal/testkit/faultproxy"
 	"github.com/idempotency-go/idempotency/internal/testkit/report"
 	"github.com/idempotency-go/idempotency/internal/testkit/testserver"
@@ -107,7 +106,12 @@ func TestPostgresOneCommit(t *testing.T) {
 	kills := map[string]int{}
 	var proxyFaults map[string]int
 	faults.Go(func() { kills = ocKill(ctx, admin) })
-	faults.Go(func() { proxyFaults = ocInject(ctx, proxy) })
+	// Most often a reset after a request; a short latency stretches the
+	// window in which a commit is in flight.
+	faults.Go(func() {
+		proxyFaults = inject(ctx, proxy, faultMix{every: 30 * time.Millisecond, spread: 100 * time.Millisecond,
+			resetAfter: 3, partition: 30 * time.Millisecond, latency: 5 * time.Millisecond})
+	})
 	until := h.start.Add(ocDuration)
 	var running sync.WaitGroup
 	for _, c := range clients {
@@ -175,7 +179,7 @@ func TestPostgresOneCommit(t *testing.T) {
 	if verdict != porcupine.Ok {
 		for _, part := range ocModel.Partition(h.ops) {
 			if porcupine.CheckOperationsTimeout(ocModel, part, 15*time.Second) != porcupine.Ok {
-				t.Logf("the calls on %s, which are not linearizable:\n%s", part[0].Input.(ocIn).key, ocListing(part))
+				t.Logf("the calls on %s, which are not linearizable:\n%s", part[0].Input.(ocIn).key, linearizable.Listing(part, func(op porcupine.Operation) string { return ocDescribe(op.Input.(ocIn), op.Output.(ocOut)) }))
 				break
 			}
 		}
@@ -454,54 +458,4 @@ func ocKill(ctx context.Context, admin *pgxpool.Pool) map[string]int {
 			n["terminated "+state]++
 		}
 	}
-}
-
-// ocInject puts a fault on the proxy every 30 to 130ms until ctx is done,
-// most often a reset after a request.
-func ocInject(ctx context.Context, p *faultproxy.Proxy) map[string]int {
-	n := map[string]int{}
-	for {
-		select {
-		case <-ctx.Done():
-			p.SetLatency(0)
-			return n
-		case <-time.After(30*time.Millisecond + mrand.N(100*time.Millisecond)):
-		}
-		switch mrand.N(7) {
-		case 0, 1, 2:
-			p.ResetOnNextRequest(true)
-			n["reset after a request"]++
-		case 3:
-			p.ResetOnNextRequest(false)
-			n["reset before a request"]++
-		case 4:
-			p.ResetAll()
-			n["reset all"]++
-		case 5:
-			p.Partition()
-			time.Sleep(mrand.N(30 * time.Millisecond))
-			p.Heal()
-			n["partition"]++
-		default:
-			// Latency stretches the window in which a commit is in flight.
-			p.SetLatency(mrand.N(5 * time.Millisecond))
-			n["latency"]++
-		}
-	}
-}
-
-// ocListing writes ops one a line, by start.
-func ocListing(ops []porcupine.Operation) string {
-	ops = slices.Clone(ops)
-	slices.SortFunc(ops, func(a, b porcupine.Operation) int { return cmp.Compare(a.Call, b.Call) })
-	var b strings.Builder
-	for _, op := range ops {
-		ret := time.Duration(op.Return).String()
-		if op.Return == ocNever {
-			ret = "never"
-		}
-		fmt.Fprintf(&b, "client %d [%v, %s] %s\n", op.ClientId, time.Duration(op.Call), ret,
-			ocDescribe(op.Input.(ocIn), op.Output.(ocOut)))
-	}
-	return b.String()
 }
